@@ -1,0 +1,66 @@
+"""Helpers for float64 gradient checks against plain autograd."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _rmsnorm_full_precision(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    # transformers' RMSNorm computes in float32 even for a float64 model; here float64 stays float64
+    dtype = torch.promote_types(hidden_states.dtype, torch.float32)
+    x = hidden_states.to(dtype)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * x.to(hidden_states.dtype)
+
+
+@contextlib.contextmanager
+def full_precision_norms(*models: nn.Module):
+    """Make transformers' RMSNorms keep float64 in float64 (they downcast to float32 internally).
+
+    Without this, a float64 model's norm backward rounds to float32, and any reordering of the same
+    sums (which is all a chunked backward is) shows up as ~1e-7 differences that say nothing about
+    the chunking. Used for verification only; the function computed is the same.
+    """
+    patched = []
+    for model in models:
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+                module.forward = types.MethodType(_rmsnorm_full_precision, module)
+                patched.append(module)
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+
+
+def reference_causal_lm_loss(model: nn.Module, labels: torch.Tensor, num_items_in_batch=None, **inputs):
+    """transformers' causal-LM loss from full logits, without its float32 cast for float64 models."""
+    logits = model(**inputs).logits  # (B, T, V)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    targets = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=reduction)
+    return loss / num_items_in_batch if num_items_in_batch is not None else loss
+
+
+def relative_errors(reference: nn.Module, candidate: nn.Module) -> dict[str, float]:
+    """||g_ref - g|| / ||g_ref|| for every parameter gradient (0 where both are zero)."""
+    out = {}
+    cand = dict(candidate.named_parameters())
+    for name, p in reference.named_parameters():
+        q = cand[name]
+        if p.grad is None and q.grad is None:
+            continue
+        if p.grad is None or q.grad is None:
+            out[name] = float("inf")
+            continue
+        denom = p.grad.norm().item()
+        diff = (p.grad - q.grad).norm().item()
+        out[name] = diff / denom if denom > 0 else diff
+    return out

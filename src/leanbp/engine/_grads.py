@@ -1,0 +1,55 @@
+"""Summing per-chunk gradients before autograd sees them (DESIGN principle 3)."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Chunk sums of low-precision gradients are kept in fp32, so summing D chunk terms adds no
+    more rounding than one big matmul would; fp32 and fp64 gradients are summed in their own dtype."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+class GradSum:
+    """Running sums of gradients for a fixed list of tensors, created lazily on first use."""
+
+    def __init__(self, like: list[torch.Tensor]):
+        self._like = like
+        self._sums: list[torch.Tensor | None] = [None] * len(like)
+
+    def add(self, grads) -> None:
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            if self._sums[i] is None:
+                self._sums[i] = g.to(accumulation_dtype(g.dtype), copy=True)
+            else:
+                self._sums[i].add_(g)
+
+    def result(self, scale: torch.Tensor | float | None = None) -> list[torch.Tensor | None]:
+        out = []
+        for like, s in zip(self._like, self._sums):
+            if s is None:
+                out.append(None)
+                continue
+            if scale is not None:
+                s = s * scale
+            out.append(s.to(like.dtype))
+        return out
+
+
+class AutocastState:
+    """The autocast setting active in forward, replayed around recomputation in backward."""
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+        self.enabled = torch.is_autocast_enabled(device_type)
+        self.dtype = torch.get_autocast_dtype(device_type) if self.enabled else None
+
+    def __call__(self):
+        if not self.enabled:
+            return nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)

@@ -1,0 +1,99 @@
+"""Adapter for Llama-style decoder layers: Llama, Mistral, Qwen2, Qwen3.
+
+A decoder layer of these families is
+
+    h = h + o_proj(attention(rope(q_norm?(q_proj(n1(h)))), rope(k_norm?(k_proj(n1(h)))), v_proj(n1(h))))
+    h = h + mlp(n2(h))
+
+The adapter splits it into "K/V for all rows" and "everything else for a chunk of rows". It calls
+the layer's own submodules (so PEFT-wrapped linears, custom norms and activations keep working)
+and never copies a modeling file.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from ..engine._attention import chunk_attention
+
+
+class LlamaFamilyAdapter:
+    """Llama, Mistral, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm)."""
+
+    model_types = ("llama", "mistral", "qwen2", "qwen3")
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.config = model.config
+        # the family's own rotate_half: RoPE is applied exactly as the modeling file does it
+        self._rotate_half = sys.modules[type(model.model.layers[0]).__module__].rotate_half
+
+    # -- where things live in the model ---------------------------------------------------------
+    def layers(self) -> nn.ModuleList:
+        return self.model.model.layers
+
+    def embed_tokens(self) -> nn.Module:
+        return self.model.model.embed_tokens
+
+    def final_norm(self) -> nn.Module:
+        return self.model.model.norm
+
+    def lm_head(self) -> nn.Module:
+        return self.model.lm_head
+
+    def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor):
+        """(cos, sin), each (1 or B, T, D): computed once per forward, shared by all layers."""
+        return self.model.model.rotary_emb(hidden, position_ids)
+
+    def sliding_window(self, layer_idx: int) -> int | None:
+        attn = self.layers()[layer_idx].self_attn
+        if hasattr(attn, "sliding_window"):  # Qwen2/Qwen3: set per layer from config.layer_types
+            return attn.sliding_window
+        if self.config.model_type == "mistral":
+            return getattr(self.config, "sliding_window", None)
+        return None
+
+    def attention_dropout(self, layer_idx: int) -> float:
+        return float(getattr(self.layers()[layer_idx].self_attn, "attention_dropout", 0.0) or 0.0)
+
+    # -- the split of one decoder layer ---------------------------------------------------------
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D): broadcast over heads
+        return x * cos + self._rotate_half(x) * sin
+
+    def key_value(self, layer: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """K and V of every row: hidden (B, T, H) -> (B, Hkv, T, D) each."""
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        shape = (*hidden.shape[:-1], -1, attn.head_dim)  # (B, T, Hkv, D)
+        key = attn.k_proj(x).view(shape)
+        if hasattr(attn, "k_norm"):
+            key = attn.k_norm(key)
+        key = self._rope(key.transpose(1, 2), cos, sin)
+        value = attn.v_proj(x).view(shape).transpose(1, 2)
+        return key, value
+
+    def chunk_forward(
+        self,
+        layer: nn.Module,
+        hidden: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """The layer's output for a chunk of rows: hidden (B, c, H), key/value (B, Hkv, kv, D)."""
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        query = attn.q_proj(x).view(*hidden.shape[:-1], -1, attn.head_dim)  # (B, c, Hq, D)
+        if hasattr(attn, "q_norm"):
+            query = attn.q_norm(query)
+        query = self._rope(query.transpose(1, 2), cos, sin)  # (B, Hq, c, D)
+        out = chunk_attention(query, key, value, mask, attn.scaling)  # (B, Hq, c, D)
+        out = out.transpose(1, 2).reshape(*hidden.shape[:-1], -1)  # (B, c, Hq*D)
+        hidden = hidden + attn.o_proj(out)
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
