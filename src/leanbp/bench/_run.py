@@ -1,0 +1,144 @@
+"""Orchestrates benchmark cases (each in a subprocess) and writes the table, CSV and plot."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+MiB = 2**20
+
+
+@dataclass
+class BenchCase:
+    seq_lens: list[int] = field(default_factory=lambda: [2048, 4096, 8192, 16384])
+    methods: list[str] = field(default_factory=lambda: ["plain", "ckpt", "leanbp"])
+    batch: int = 1
+    dtype: str = "fp32"
+    device: str = "cpu"
+    chunk_size: int = 1024
+    head_chunk_size: int = 1024
+    timeout_s: int = 3600
+
+
+def _run_one(spec: dict, timeout_s: int) -> dict:
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "leanbp.bench._case", json.dumps(spec)],
+            capture_output=True, text=True, timeout=timeout_s, env=env,
+        )
+    except subprocess.TimeoutExpired:
+        return {**spec, "error": f"timeout after {timeout_s}s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith("LEANBP_CASE "):
+            return json.loads(line[len("LEANBP_CASE "):])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+    return {**spec, "error": f"exit {proc.returncode}: {tail[0][:200]}"}
+
+
+def run_bench(case: BenchCase, out_dir: str | Path, progress: bool = True) -> list[dict]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    specs = [
+        {"method": m, "seq_len": T, "batch": case.batch, "dtype": case.dtype, "device": case.device,
+         "chunk_size": case.chunk_size, "head_chunk_size": case.head_chunk_size}
+        for T in case.seq_lens for m in case.methods
+    ]
+    rows = []
+    bar = tqdm(specs, desc="bench", disable=not progress, unit="case")
+    for spec in bar:
+        bar.set_postfix_str(f"{spec['method']} T={spec['seq_len']}")
+        rows.append(_run_one(spec, case.timeout_s))
+    _add_ratios(rows)
+    write_csv(rows, out_dir / "bench.csv")
+    (out_dir / "bench.json").write_text(json.dumps({"case": asdict(case), "rows": rows}, indent=1))
+    plot(rows, out_dir / "bench.png")
+    return rows
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """Each row's activation memory and time relative to gradient checkpointing at the same T."""
+    ckpt = {r["seq_len"]: r for r in rows if r["method"] == "ckpt" and "error" not in r}
+    for r in rows:
+        base = ckpt.get(r["seq_len"])
+        if base is None or "error" in r:
+            continue
+        r["act_vs_ckpt"] = r["activations"] / base["activations"]
+        r["time_vs_ckpt"] = r["step_s"] / base["step_s"]
+
+
+COLUMNS = ["method", "seq_len", "peak_mib", "params_mib", "grads_mib", "act_mib", "step_s",
+           "act_vs_ckpt", "time_vs_ckpt", "error"]
+
+
+def _flat(r: dict) -> dict:
+    out = {"method": r["method"], "seq_len": r["seq_len"], "error": r.get("error", "")}
+    for key, col in (("peak", "peak_mib"), ("params", "params_mib"), ("grads", "grads_mib"),
+                     ("activations", "act_mib")):
+        out[col] = round(r[key] / MiB, 1) if key in r else ""
+    for key in ("step_s", "act_vs_ckpt", "time_vs_ckpt"):
+        out[key] = round(r[key], 3) if key in r else ""
+    return out
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow(_flat(r))
+
+
+def format_table(rows: list[dict]) -> str:
+    """A Markdown table (it goes into the README as is)."""
+    header = ["T", "method", "peak MiB", "activation MiB", "step s", "act / ckpt", "time / ckpt"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        f = _flat(r)
+        if r.get("error"):
+            lines.append(f"| {f['seq_len']} | {f['method']} | {r['error']} | | | | |")
+            continue
+        lines.append(
+            f"| {f['seq_len']} | {f['method']} | {f['peak_mib']} | {f['act_mib']} | {f['step_s']:.1f} | "
+            f"{_ratio(f['act_vs_ckpt'])} | {_ratio(f['time_vs_ckpt'])} |"
+        )
+    return "\n".join(lines)
+
+
+def _ratio(x) -> str:
+    return f"{x:.3f}" if x != "" else ""
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        ok = sorted((r for r in rows if r["method"] == method and "error" not in r), key=lambda r: r["seq_len"])
+        if not ok:
+            continue
+        T = [r["seq_len"] for r in ok]
+        ax_mem.plot(T, [r["activations"] / MiB for r in ok], marker="o", label=method)
+        ax_time.plot(T, [r["step_s"] for r in ok], marker="o", label=method)
+    for ax, title, unit in ((ax_mem, "activation memory (peak - params - grads)", "MiB"),
+                            (ax_time, "training step time (forward + backward)", "seconds")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length T")
+        ax.set_ylabel(unit)
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

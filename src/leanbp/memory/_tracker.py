@@ -1,0 +1,111 @@
+"""Peak memory of one training step: live tensor bytes on CPU, allocator peaks on CUDA.
+
+On CPU a TorchDispatchMode sees every tensor an op returns; each new storage is counted while it is
+alive (a weak reference tells when it dies). Unlike torch's MemTracker this does not care how
+often a module is called, so chunked and recomputing engines are measured like any other code.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes. ``activations`` is the step's peak minus parameters and gradients."""
+
+    peak: int
+    params: int
+    grads: int
+
+    @property
+    def activations(self) -> int:
+        return self.peak - self.params - self.grads
+
+    def as_mib(self) -> dict[str, float]:
+        return {k: v / MiB for k, v in
+                {"peak": self.peak, "params": self.params, "grads": self.grads,
+                 "activations": self.activations}.items()}
+
+
+class _LiveStorageBytes(TorchDispatchMode):
+    """Counts bytes of storages created inside the mode while they are alive."""
+
+    def __init__(self, baseline: int):
+        super().__init__()
+        self.live = baseline
+        self.peak = baseline
+        self._seen: "weakref.WeakSet" = weakref.WeakSet()
+
+    def _freed(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                if storage not in self._seen:
+                    self._seen.add(storage)
+                    nbytes = storage.nbytes()
+                    self.live += nbytes
+                    weakref.finalize(storage, self._freed, nbytes)
+        if self.live > self.peak:
+            self.peak = self.live
+        return out
+
+
+def _tensor_bytes(tensors) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+class track:
+    """Measure the peak memory of the code in the ``with`` block.
+
+    >>> with leanbp.memory.track(model) as mem:
+    ...     model(**batch).loss.backward()
+    >>> mem.report.activations
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device | str | None = None):
+        self.model = model
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.report: MemoryReport | None = None
+
+    def _params(self):
+        return list(self.model.parameters())
+
+    def _grads(self):
+        return [p.grad for p in self._params() if p.grad is not None]
+
+    def __enter__(self):
+        params = _tensor_bytes(self._params())
+        grads_before = _tensor_bytes(self._grads())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._mode = None
+        else:
+            self._mode = _LiveStorageBytes(params + grads_before)
+            self._mode.__enter__()
+        self._params_bytes = params
+        return self
+
+    def __exit__(self, *exc):
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            peak = self._mode.peak
+        else:
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+        self.report = MemoryReport(peak=peak, params=self._params_bytes, grads=_tensor_bytes(self._grads()))
+        return False
