@@ -29,6 +29,14 @@ def test_families_padding_chunks(family, padding, chunk_size, head_chunk_size):
     assert_exact(*errs)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_single_mask_attention_path(monkeypatch, window):
+    """The one-SDPA-call-with-a-mask path (used off CPU) is exact too."""
+    monkeypatch.setenv("LEANBP_ATTENTION", "mask")
+    model = tiny_model("mistral", sliding_window=window)
+    assert_exact(*compare_step(model, dict(chunk_size=7), make_batch(padding="left"), embeds=True))
+
+
 def test_batch_of_one_without_mask():
     model = tiny_model("qwen3")
     ids, _, labels = make_batch(B=1, padding="none")

@@ -60,7 +60,8 @@ def relative_errors(reference: nn.Module, candidate: nn.Module) -> dict[str, flo
         if p.grad is None or q.grad is None:
             out[name] = float("inf")
             continue
-        denom = p.grad.norm().item()
-        diff = (p.grad - q.grad).norm().item()
+        ref_grad, grad = p.grad.double(), q.grad.double()
+        denom = ref_grad.norm().item()
+        diff = (ref_grad - grad).norm().item()
         out[name] = diff / denom if denom > 0 else diff
     return out

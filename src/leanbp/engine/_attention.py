@@ -1,60 +1,170 @@
-"""Attention for one chunk of query rows against the keys it may see.
+"""Attention for one chunk of query rows against the keys it may see, without a chunk x T mask.
 
-Rows [s, e) of a causal layer attend to keys [ks, e), where ks is 0 for full attention and
-max(0, s - window + 1) for a sliding window. The alignment is bottom-right: the query at absolute
-position p sees keys at absolute positions <= p (PyTorch's ``is_causal=True`` is top-left aligned
-and would be wrong for every chunk but the first).
+Rows [s, e) of a causal layer attend to keys [kb, e): kb is 0 for full attention and
+max(0, s - window + 1) for a sliding window. The keys split into two blocks:
+
+* the prefix [kb, s), visible to every row of the chunk (except padded keys, and keys a sliding
+  window drops), so it needs no causal mask at all, and padding is a (B, 1, 1, p) bias;
+* the chunk's own rows [s, e), a square block where bottom-right and top-left causal alignment
+  coincide, so ``is_causal=True`` is right (PyTorch's is_causal is top-left aligned, which would be
+  wrong for a q_len < kv_len call).
+
+Each block runs the fused CPU flash kernel, which also returns its log-sum-exp; the two results
+are merged with their log-sum-exps. Backward runs the kernel's backward once per block with the
+*merged* output and log-sum-exp, which gives each block's exact share of the gradient.
+On other devices (or with ``LEANBP_ATTENTION=mask``) a single SDPA call with a boolean
+(B, 1, c, kv) mask is used instead.
 """
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 
 def key_start(start: int, window: int | None) -> int:
-    """First key position visible to query row ``start`` (HF: key kv visible iff kv > q - window)."""
+    """First key visible to query row ``start`` (transformers: key kv visible iff kv > q - window)."""
     if window is None:
         return 0
     return max(0, start - window + 1)
 
 
-def chunk_mask(
-    start: int,
-    end: int,
-    key_begin: int,
-    window: int | None,
-    key_keep: torch.Tensor | None,
-    device: torch.device,
-) -> torch.Tensor:
-    """Boolean mask (B or 1, 1, end-start, end-key_begin), True where a query may attend a key.
+@dataclass
+class ChunkMasks:
+    """Masks of one chunk [start, end) with visible keys [key_begin, end); True = may attend."""
 
-    Only this chunk's rows are built: the mask is chunk x visible-keys, never T x T.
-    """
-    q_pos = torch.arange(start, end, device=device)[:, None]  # (c, 1)
-    k_pos = torch.arange(key_begin, end, device=device)[None, :]  # (1, kv)
-    allowed = k_pos <= q_pos
-    if window is not None:
-        allowed = allowed & (k_pos > q_pos - window)
-    allowed = allowed[None, None]  # (1, 1, c, kv)
-    if key_keep is not None:
-        # padding: a padded key is invisible to every query; a fully masked (padded) query row
-        # gets an all-zero output, the same as the unmodified model's SDPA call gives it.
-        allowed = allowed & key_keep[:, None, None, key_begin:end]  # (B, 1, c, kv)
-    return allowed
+    start: int
+    end: int
+    key_begin: int
+    window: int | None
+    key_keep: torch.Tensor | None  # (B, T) bool or None
+    device: torch.device
+
+    def _allowed(self, k0: int, k1: int, per_row: bool) -> torch.Tensor | None:
+        """(B|1, 1, c|1, k1-k0) bool, or None when every key is visible to every row."""
+        device = self.device
+        allowed = None
+        q = torch.arange(self.start, self.end, device=device)[:, None]  # (c, 1)
+        k = torch.arange(k0, k1, device=device)[None, :]  # (1, kv)
+        if per_row:
+            allowed = k <= q
+        if self.window is not None and (self.end - 1 - self.window) >= k0:
+            window_ok = k > q - self.window
+            allowed = window_ok if allowed is None else allowed & window_ok
+        if allowed is not None:
+            allowed = allowed[None, None]  # (1, 1, c, kv)
+        if self.key_keep is not None:
+            keep = self.key_keep[:, None, None, k0:k1]  # (B, 1, 1, kv)
+            if not bool(keep.all()):
+                allowed = keep if allowed is None else allowed & keep
+        return allowed
+
+    def prefix(self):
+        return self._allowed(self.key_begin, self.start, per_row=False)
+
+    def own(self):
+        """None means plain causal (is_causal=True is exact for the square own block)."""
+        own = self._allowed(self.start, self.end, per_row=False)
+        if own is None:
+            return None
+        causal = torch.ones(self.end - self.start, self.end - self.start, dtype=torch.bool,
+                            device=own.device).tril()
+        return own & causal
+
+    def full(self):
+        """(B|1, 1, c, e - key_begin) bool for the single-call fallback."""
+        return self._allowed(self.key_begin, self.end, per_row=True)
 
 
-def chunk_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """query (B, Hq, c, D), key/value (B, Hkv, kv, D) -> (B, Hq, c, D).
+def _bias(allowed: torch.Tensor | None, dtype) -> torch.Tensor | None:
+    """Boolean mask -> additive bias (0 / -inf) in the attention dtype."""
+    if allowed is None:
+        return None
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
-    GQA is handled by SDPA (``enable_gqa``) so K/V are never repeated per query head in memory.
-    """
-    return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
-    )
+
+def _visible(allowed: torch.Tensor | None) -> torch.Tensor | None:
+    """(B|1, 1, c|1) bool: does the row see any key of the block (None: every row does)."""
+    if allowed is None:
+        return None
+    return allowed.any(-1)
+
+
+_flash_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _TwoBlockAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, prefix_key, prefix_value, key, value, prefix_allowed, own_allowed, scale):
+        dtype = query.dtype
+        own_bias = _bias(own_allowed, dtype)
+        own_out, own_lse = _flash_fwd(query, key, value, 0.0, own_bias is None, attn_mask=own_bias, scale=scale)
+        blocks = [(key, value, own_bias, own_bias is None, _visible(own_allowed), own_out, own_lse)]
+        if prefix_key is not None:
+            pre_bias = _bias(prefix_allowed, dtype)
+            pre_out, pre_lse = _flash_fwd(query, prefix_key, prefix_value, 0.0, False, attn_mask=pre_bias, scale=scale)
+            blocks.append((prefix_key, prefix_value, pre_bias, False, _visible(prefix_allowed), pre_out, pre_lse))
+
+        if len(blocks) == 1:
+            out, lse = own_out, own_lse
+        else:
+            # a block that a row cannot see contributes nothing (the kernel reports lse = 0 there)
+            lses = [l if vis is None else l.masked_fill(~vis, float("-inf"))
+                    for *_, vis, _, l in blocks]
+            lse = torch.logaddexp(lses[0], lses[1])  # (B, H, c)
+            lse = lse.masked_fill(torch.isinf(lse), 0.0)  # rows that see nothing: output 0, as SDPA
+            acc = torch.promote_types(dtype, torch.float32)
+            out = sum(o.to(acc) * torch.exp(l - lse).unsqueeze(-1) for (*_, o, _), l in zip(blocks, lses))
+            out = out.to(dtype)
+        ctx.scale = scale
+        ctx.causal = [b[3] for b in blocks]
+        ctx.save_for_backward(query, out, lse, *[t for b in blocks for t in b[:3]])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, out, lse, *flat = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grads = []
+        for i, causal in enumerate(ctx.causal):
+            k, v, bias = flat[3 * i: 3 * i + 3]
+            grads.append(_flash_bwd(grad_out, query, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=ctx.scale))
+        dq = grads[0][0] if len(grads) == 1 else grads[0][0] + grads[1][0]
+        dpk, dpv = (grads[1][1], grads[1][2]) if len(grads) > 1 else (None, None)
+        return dq, dpk, dpv, grads[0][1], grads[0][2], None, None, None
+
+
+def _use_two_block(query: torch.Tensor) -> bool:
+    return query.device.type == "cpu" and os.environ.get("LEANBP_ATTENTION", "blocks") != "mask"
+
+
+def chunk_attention(query, prefix_key, prefix_value, key, value, masks: ChunkMasks, scale: float):
+    """query (B, Hq, c, D); prefix_key/value (B, Hkv, p, D) or None; key/value (B, Hkv, c, D), the
+    chunk's own rows -> (B, Hq, c, D). GQA needs no repeated K/V."""
+    if _use_two_block(query):
+        if torch.is_autocast_enabled(query.device.type):
+            # what SDPA does under autocast: attention runs in the autocast dtype
+            dtype = torch.get_autocast_dtype(query.device.type)
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+            if prefix_key is not None:
+                prefix_key, prefix_value = prefix_key.to(dtype), prefix_value.to(dtype)
+        prefix_allowed = masks.prefix() if prefix_key is not None else None
+        return _TwoBlockAttention.apply(
+            query.contiguous(),
+            None if prefix_key is None else prefix_key.contiguous(),
+            None if prefix_value is None else prefix_value.contiguous(),
+            key.contiguous(), value.contiguous(), prefix_allowed, masks.own(), scale,
+        )
+    if prefix_key is not None:
+        key = torch.cat([prefix_key, key], dim=2)
+        value = torch.cat([prefix_value, value], dim=2)
+    mask = masks.full()
+    if mask is None:  # no padding, no window: plain causal over a square block
+        mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril(
+            key.shape[2] - query.shape[2])
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                          enable_gqa=query.shape[1] != key.shape[1])

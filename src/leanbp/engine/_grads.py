@@ -20,12 +20,15 @@ class GradSum:
         self._like = like
         self._sums: list[torch.Tensor | None] = [None] * len(like)
 
-    def add(self, grads) -> None:
+    def add(self, grads, owned: bool = False) -> None:
+        """Add one chunk's gradients. Unless ``owned``, the first one is copied: autograd may hand
+        back a view of its grad_outputs (a residual path does), which must not be added into."""
         for i, g in enumerate(grads):
             if g is None:
                 continue
             if self._sums[i] is None:
-                self._sums[i] = g.to(accumulation_dtype(g.dtype), copy=True)
+                dtype = accumulation_dtype(g.dtype)
+                self._sums[i] = g if owned and g.dtype == dtype else g.to(dtype, copy=True)
             else:
                 self._sums[i].add_(g)
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._grads import AutocastState, GradSum
+from ._grads import AutocastState, GradSum, accumulation_dtype
 
 IGNORE_INDEX = -100
 
@@ -38,11 +38,61 @@ class HeadRun:
     # grad mode of the caller: inside Function.forward grad mode is always off
     grad_enabled: bool
 
-    def chunk_loss_sum(self, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Summed cross-entropy of (n, H) final hidden rows against (n,) targets."""
-        logits = self.lm_head(self.norm(rows))  # (n, V): the only logits alive at any time
+    @property
+    def fused(self) -> bool:
+        """A plain nn.Linear head gets the fused path (one (n, V) buffer per chunk); anything else
+        (a PEFT-wrapped head, say) goes through autograd."""
+        return type(self.lm_head) is nn.Linear
+
+
+def _autograd_chunk(run: HeadRun, rows, targets, inputs, want_grad):
+    """Summed CE of one chunk of final hidden rows (n, H) and its gradients w.r.t. ``inputs``."""
+    with torch.set_grad_enabled(want_grad), run.autocast():
+        logits = run.lm_head(run.norm(rows))  # (n, V)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    grads = torch.autograd.grad(loss, inputs, allow_unused=True) if want_grad else None
+    return loss.detach(), grads
+
+
+def _fused_chunk(run: HeadRun, rows, targets, inputs, want_grad, head_grads):
+    """As ``_autograd_chunk`` for an nn.Linear head, with the CE gradient written in place.
+
+    Memory: the (n, V) logits buffer is reused for the probabilities and then for dL/dlogits,
+    and the head's gradients are added straight into the running sums ``head_grads`` (no (V, H)
+    temporary unless the sums are kept in a wider dtype than the logits).
+    Only the norm in front of the head goes through autograd.
+    """
+    head = run.lm_head
+    with torch.set_grad_enabled(want_grad), run.autocast():
+        normed = run.norm(rows)  # (n, H), graph kept for its backward
+        with torch.no_grad():
+            logits = F.linear(normed, head.weight, head.bias)  # (n, V)
+    acc = logits.to(torch.promote_types(logits.dtype, torch.float32))  # no copy unless bf16/fp16
+    del logits
+    lse = torch.logsumexp(acc, dim=-1)  # (n,)
+    picked = acc.gather(1, targets[:, None]).squeeze(1)
+    loss = (lse - picked).sum()
+    if not want_grad:
+        return loss, None
+    # d(sum CE)/dlogits = softmax - onehot, computed in the logits buffer itself
+    acc.sub_(lse[:, None]).exp_()
+    acc[torch.arange(acc.shape[0], device=acc.device), targets] -= 1
+    dlogits = acc.to(head.weight.dtype) if not run.autocast.enabled else acc.to(normed.dtype)
+    del acc
+    if "weight" in head_grads:
+        head_grads["weight"].addmm_(dlogits.T, normed.detach().to(dlogits.dtype)) if \
+            head_grads["weight"].dtype == dlogits.dtype else \
+            head_grads["weight"].add_(dlogits.T @ normed.detach().to(dlogits.dtype))  # (V, H)
+    if "bias" in head_grads:
+        head_grads["bias"].add_(dlogits.sum(0))
+    dnormed = dlogits @ head.weight.to(dlogits.dtype)  # (n, H)
+    del dlogits
+    norm_inputs = [t for t in inputs if t is not head.weight and t is not head.bias]
+    norm_grads = torch.autograd.grad(normed, norm_inputs, dnormed, allow_unused=True) if norm_inputs else []
+    it = iter(norm_grads)
+    grads = [None if t is head.weight or t is head.bias else next(it) for t in inputs]
+    return loss, grads
 
 
 class ChunkedHeadLossFunction(torch.autograd.Function):
@@ -59,19 +109,33 @@ class ChunkedHeadLossFunction(torch.autograd.Function):
 
         total = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
         grads = GradSum(trainable)
+        head_grad = {}
+        if want_grad and run.fused:
+            # running sums of the head's own gradients, added to in place chunk by chunk
+            head = run.lm_head
+            head_grad = {name: torch.zeros_like(t, dtype=accumulation_dtype(t.dtype))
+                         for name, t in (("weight", head.weight), ("bias", head.bias))
+                         if t is not None and any(t is p for p in trainable)}
         dflat = torch.zeros_like(flat) if (want_grad and need_input) else None
         for s in range(0, rows.numel(), run.chunk_size):
             idx = rows[s : s + run.chunk_size]
             rows_c = flat.index_select(0, idx).detach().requires_grad_(want_grad and need_input)
-            with torch.set_grad_enabled(want_grad), run.autocast():
-                loss_c = run.chunk_loss_sum(rows_c, targets.index_select(0, idx))
+            inputs = ([rows_c] if need_input else []) + trainable
+            targets_c = targets.index_select(0, idx)
+            if run.fused:
+                loss_c, g = _fused_chunk(run, rows_c, targets_c, inputs, want_grad, head_grad)
+            else:
+                loss_c, g = _autograd_chunk(run, rows_c, targets_c, inputs, want_grad)
             if want_grad:
-                inputs = ([rows_c] if need_input else []) + trainable
-                g = list(torch.autograd.grad(loss_c, inputs, allow_unused=True))
+                g = list(g)
                 if need_input:
                     dflat.index_add_(0, idx, g.pop(0))
                 grads.add(g)
-            total += loss_c.detach()
+            total += loss_c
+        if head_grad:
+            head = run.lm_head
+            grads.add([head_grad.get("weight") if p is head.weight else
+                       head_grad.get("bias") if p is head.bias else None for p in trainable], owned=True)
         loss = total / run.denominator
 
         ctx.denominator = run.denominator

@@ -1,11 +1,17 @@
 """One decoder layer as an autograd Function that keeps only its input.
 
-Forward (no graph): K/V of all rows once, then attention + MLP chunk by chunk.
-Backward: K/V of all rows recomputed once (with a graph), then for each chunk the layer is
-recomputed for that chunk's rows and backpropagated with that chunk's slice of dL/dH_out; dK/dV
-for the visible rows accumulate, and finally flow back through the K/V projections once. The
-parameters are explicit inputs of the Function and their chunk gradients are summed before being
-returned, so each parameter's gradient reaches autograd (and DDP/FSDP hooks) once per backward.
+Forward (no graph): chunk by chunk in sequence order; each chunk computes its own rows' K/V into a
+K/V buffer and attends to the buffer's visible rows, so K/V are computed once.
+
+Backward, chunks in reverse order: K/V of all rows are computed once (no graph) to serve as the
+prefix that later chunks attend to. Each chunk is then recomputed with a graph -- its queries,
+its own K/V rows, attention, MLP -- and backpropagated with its slice of dL/dH_out plus the dK/dV
+that later chunks already sent to its rows. Processing in reverse order makes both complete: once
+chunk [s, e) is done no other chunk can touch rows [s, e), so dL/dH_in[s:e] is final and the K/V
+projection's graph never spans more than one chunk. Prefix rows receive their dK/dV into buffers.
+
+The parameters are explicit inputs of the Function and their chunk gradients are summed before
+being returned, so each parameter's gradient reaches autograd (and DDP/FSDP hooks) once.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ._attention import chunk_mask, key_start
+from ._attention import ChunkMasks, key_start
 from ._grads import AutocastState, GradSum
 
 
@@ -38,24 +44,29 @@ class LayerRun:
     def key_begin(self, start: int) -> int:
         return key_start(start, self.window)
 
-    def chunk_out(self, hidden_c, key_vis, value_vis, start, end):
-        """Layer output for rows [start, end); key_vis/value_vis are the visible K/V rows
-        [key_begin(start), end), each (B, Hkv, end - key_begin, D)."""
-        mask = chunk_mask(start, end, self.key_begin(start), self.window, self.key_keep, hidden_c.device)
+    def chunk_out(self, hidden_c, prefix_key, prefix_value, start, end):
+        """(output, own key, own value) of rows [start, end); prefix_* are K/V rows
+        [key_begin(start), start), or None when that range is empty."""
+        masks = ChunkMasks(start, end, self.key_begin(start), self.window, self.key_keep, hidden_c.device)
         return self.adapter.chunk_forward(
-            self.layer, hidden_c, key_vis, value_vis, self.cos[:, start:end], self.sin[:, start:end], mask
+            self.layer, hidden_c, prefix_key, prefix_value, self.cos[:, start:end], self.sin[:, start:end], masks
         )
 
 
 class StreamedLayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, run: LayerRun, *params: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(hidden)
+        key_buf = value_buf = None  # (B, Hkv, T, D), filled chunk by chunk
         with torch.no_grad():
-            key, value = run.adapter.key_value(run.layer, hidden, run.cos, run.sin)
-            out = torch.empty_like(hidden)
             for s, e in run.chunks(hidden.shape[1]):
                 kb = run.key_begin(s)
-                out[:, s:e] = run.chunk_out(hidden[:, s:e], key[:, :, kb:e], value[:, :, kb:e], s, e)
+                prefix = (key_buf[:, :, kb:s], value_buf[:, :, kb:s]) if s > kb else (None, None)
+                out[:, s:e], key_c, value_c = run.chunk_out(hidden[:, s:e], *prefix, s, e)
+                if key_buf is None:
+                    key_buf = key_c.new_empty((*key_c.shape[:2], hidden.shape[1], key_c.shape[3]))
+                    value_buf = value_c.new_empty((*value_c.shape[:2], hidden.shape[1], value_c.shape[3]))
+                key_buf[:, :, s:e], value_buf[:, :, s:e] = key_c, value_c
         # Memory: the layer input is the only activation kept until backward.
         ctx.save_for_backward(hidden, *params)
         ctx.run = run
@@ -67,53 +78,51 @@ class StreamedLayerFunction(torch.autograd.Function):
         run: LayerRun = ctx.run
         need_input = ctx.needs_input_grad[0]
         trainable = [p for p, need in zip(params, ctx.needs_input_grad[2:]) if need]
-        grads = GradSum(([hidden] if need_input else []) + trainable)
-        grad_out = grad_out.contiguous()
+        grads = GradSum(trainable)
+        T = hidden.shape[1]
+        chunks = run.chunks(T)
 
-        # K/V of all rows, once, with a graph kept until every chunk has added its dK/dV.
-        with torch.enable_grad(), run.autocast():
-            full = hidden.detach().requires_grad_(need_input)
-            key, value = run.adapter.key_value(run.layer, full, run.cos, run.sin)
-        kv_out = [t for t in (key, value) if t.requires_grad]
-        key_d, value_d = key.detach(), value.detach()
-        dkey = torch.zeros_like(key_d) if key.requires_grad else None
-        dvalue = torch.zeros_like(value_d) if value.requires_grad else None
-        dhidden = torch.zeros_like(hidden) if need_input else None
+        # Prefix K/V for every chunk, computed once without a graph (the last chunk's own rows are
+        # never a prefix, so they are skipped).
+        prefix_rows = chunks[-1][0]
+        key = value = None
+        if prefix_rows:
+            with torch.no_grad(), run.autocast():
+                key, value = run.adapter.key_value(
+                    run.layer, hidden[:, :prefix_rows], run.cos[:, :prefix_rows], run.sin[:, :prefix_rows]
+                )
+        dkey = dvalue = None  # dL/dK, dL/dV sent to rows by the chunks after them
+        dhidden = torch.empty_like(hidden) if need_input else None
 
-        for s, e in reversed(run.chunks(hidden.shape[1])):
+        for s, e in reversed(chunks):
             kb = run.key_begin(s)
             hidden_c = hidden[:, s:e].detach().requires_grad_(need_input)
-            # K/V rows visible to this chunk as leaves: their grads are (B, Hkv, e-kb, D), not T rows
-            key_c = key_d[:, :, kb:e].detach().requires_grad_(dkey is not None)
-            value_c = value_d[:, :, kb:e].detach().requires_grad_(dvalue is not None)
+            prefix_key = prefix_value = None
+            if s > kb:
+                # leaves, so that their gradients come back as (B, Hkv, s - kb, D), not T rows
+                prefix_key = key[:, :, kb:s].detach().requires_grad_()
+                prefix_value = value[:, :, kb:s].detach().requires_grad_()
             with torch.enable_grad(), run.autocast():
-                out_c = run.chunk_out(hidden_c, key_c, value_c, s, e)
-            inputs = [t for t in (hidden_c, key_c, value_c) if t.requires_grad] + trainable
-            g = torch.autograd.grad(out_c, inputs, grad_out[:, s:e], allow_unused=True)
-            g = list(g)
+                out_c, key_c, value_c = run.chunk_out(hidden_c, prefix_key, prefix_value, s, e)
+            outputs, grad_outputs = [out_c], [grad_out[:, s:e]]
+            if dkey is not None:  # what later chunks sent to this chunk's own K/V rows
+                for own, d in ((key_c, dkey), (value_c, dvalue)):
+                    if own.requires_grad:
+                        outputs.append(own)
+                        grad_outputs.append(d[:, :, s:e])
+            prefix = [t for t in (prefix_key, prefix_value) if t is not None and key_c.requires_grad]
+            inputs = ([hidden_c] if need_input else []) + prefix + trainable
+            g = list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True))
             if need_input:
-                dhidden[:, s:e] += g.pop(0)
-            if dkey is not None:
-                _add(dkey[:, :, kb:e], g.pop(0))
-            if dvalue is not None:
-                _add(dvalue[:, :, kb:e], g.pop(0))
-            grads.add(([None] if need_input else []) + g)
-            del out_c, g
-
-        if kv_out:
-            kv_grads = [d for d in (dkey, dvalue) if d is not None]
-            inputs = ([full] if need_input else []) + trainable
-            g = torch.autograd.grad(kv_out, inputs, kv_grads, allow_unused=True)
+                dhidden[:, s:e] = g.pop(0)  # final: no other chunk reaches rows [s, e)
+            if prefix:
+                if dkey is None:
+                    dkey, dvalue = torch.zeros_like(key), torch.zeros_like(value)
+                for buf, d in zip((dkey, dvalue), (g.pop(0), g.pop(0))):
+                    if d is not None:
+                        buf[:, :, kb:s] += d
             grads.add(g)
-        result = grads.result()
-        dinput = None
-        if need_input:
-            dinput = dhidden + result.pop(0) if result[0] is not None else dhidden
-        it = iter(result)
-        return (dinput, None, *[next(it) if need else None for need in ctx.needs_input_grad[2:]])
+            del out_c, key_c, value_c, g
 
-
-def _add(buffer: torch.Tensor, grad: torch.Tensor | None) -> None:
-    if grad is not None:
-        buffer += grad
-
+        it = iter(grads.result())
+        return (dhidden, None, *[next(it) if need else None for need in ctx.needs_input_grad[2:]])

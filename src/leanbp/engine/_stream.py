@@ -149,19 +149,13 @@ def _streamed_forward(
     state: _StreamState = self._leanbp_stream
     if labels is None:
         # no loss to stream: plain forward (it builds full logits, as the caller asked for them)
+        passed = dict(use_cache=use_cache, past_key_values=past_key_values, cache=cache,
+                      output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                      return_dict=return_dict, num_items_in_batch=num_items_in_batch)
+        passed = {k: v for k, v in passed.items() if v is not None}
         return type(self).forward(
-            self,
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            past_key_values=past_key_values,
-            cache=cache,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            logits_to_keep=logits_to_keep,
-            **kwargs,
+            self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            inputs_embeds=inputs_embeds, logits_to_keep=logits_to_keep, **passed, **kwargs,
         )
     from transformers.modeling_outputs import CausalLMOutputWithPast
 

@@ -17,7 +17,7 @@ import sys
 import torch
 from torch import nn
 
-from ..engine._attention import chunk_attention
+from ..engine._attention import ChunkMasks, chunk_attention
 
 
 class LlamaFamilyAdapter:
@@ -64,36 +64,44 @@ class LlamaFamilyAdapter:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D): broadcast over heads
         return x * cos + self._rotate_half(x) * sin
 
-    def key_value(self, layer: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """K and V of every row: hidden (B, T, H) -> (B, Hkv, T, D) each."""
-        attn = layer.self_attn
-        x = layer.input_layernorm(hidden)
-        shape = (*hidden.shape[:-1], -1, attn.head_dim)  # (B, T, Hkv, D)
+    def _key_value_from_normed(self, attn: nn.Module, x: torch.Tensor, cos, sin):
+        shape = (*x.shape[:-1], -1, attn.head_dim)  # (B, n, Hkv, D)
         key = attn.k_proj(x).view(shape)
         if hasattr(attn, "k_norm"):
             key = attn.k_norm(key)
-        key = self._rope(key.transpose(1, 2), cos, sin)
+        key = self._rope(key.transpose(1, 2), cos, sin)  # (B, Hkv, n, D)
         value = attn.v_proj(x).view(shape).transpose(1, 2)
         return key, value
+
+    def key_value(self, layer: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """K and V of the given rows: hidden (B, n, H) -> (B, Hkv, n, D) each."""
+        return self._key_value_from_normed(layer.self_attn, layer.input_layernorm(hidden), cos, sin)
 
     def chunk_forward(
         self,
         layer: nn.Module,
         hidden: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
+        prefix_key: torch.Tensor | None,
+        prefix_value: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """The layer's output for a chunk of rows: hidden (B, c, H), key/value (B, Hkv, kv, D)."""
+        masks: ChunkMasks,
+    ):
+        """The layer for a chunk of rows: hidden (B, c, H); prefix_key/value (B, Hkv, p, D) are the
+        visible rows before the chunk (None when there are none).
+
+        Returns (output (B, c, H), the chunk's own key and value (B, Hkv, c, D)). The chunk's K/V are
+        computed here from the same normed rows as its queries, so a backward through this call
+        covers the K/V projections of these rows too.
+        """
         attn = layer.self_attn
         x = layer.input_layernorm(hidden)
         query = attn.q_proj(x).view(*hidden.shape[:-1], -1, attn.head_dim)  # (B, c, Hq, D)
         if hasattr(attn, "q_norm"):
             query = attn.q_norm(query)
         query = self._rope(query.transpose(1, 2), cos, sin)  # (B, Hq, c, D)
-        out = chunk_attention(query, key, value, mask, attn.scaling)  # (B, Hq, c, D)
+        key_c, value_c = self._key_value_from_normed(attn, x, cos, sin)  # (B, Hkv, c, D)
+        out = chunk_attention(query, prefix_key, prefix_value, key_c, value_c, masks, attn.scaling)  # (B, Hq, c, D)
         out = out.transpose(1, 2).reshape(*hidden.shape[:-1], -1)  # (B, c, Hq*D)
         hidden = hidden + attn.o_proj(out)
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden)), key_c, value_c
