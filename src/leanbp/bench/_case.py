@@ -35,7 +35,7 @@ def run_case(spec: dict) -> dict:
     if method == "ckpt":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif method == "leanbp":
-        stream(model, chunk_size=spec.get("chunk_size", 1024), head_chunk_size=spec.get("head_chunk_size", 1024))
+        stream(model, chunk_size=spec.get("chunk_size", 1024), head_chunk_size=spec.get("head_chunk_size", 512))
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (B, T), generator=gen).to(device)
 

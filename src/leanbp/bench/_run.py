@@ -23,7 +23,7 @@ class BenchCase:
     dtype: str = "fp32"
     device: str = "cpu"
     chunk_size: int = 1024
-    head_chunk_size: int = 1024
+    head_chunk_size: int = 512
     timeout_s: int = 3600
 
 

@@ -153,11 +153,9 @@ def chunk_attention(query, prefix_key, prefix_value, key, value, masks: ChunkMas
             if prefix_key is not None:
                 prefix_key, prefix_value = prefix_key.to(dtype), prefix_value.to(dtype)
         prefix_allowed = masks.prefix() if prefix_key is not None else None
+        # strided views go in as they are: the CPU flash kernel takes them without a copy
         return _TwoBlockAttention.apply(
-            query.contiguous(),
-            None if prefix_key is None else prefix_key.contiguous(),
-            None if prefix_value is None else prefix_value.contiguous(),
-            key.contiguous(), value.contiguous(), prefix_allowed, masks.own(), scale,
+            query, prefix_key, prefix_value, key, value, prefix_allowed, masks.own(), scale
         )
     if prefix_key is not None:
         key = torch.cat([prefix_key, key], dim=2)

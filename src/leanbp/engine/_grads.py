@@ -33,14 +33,17 @@ class GradSum:
                 self._sums[i].add_(g)
 
     def result(self, scale: torch.Tensor | float | None = None) -> list[torch.Tensor | None]:
+        """The sums (scaled in place, then cast to each tensor's dtype). Call once: the sums are
+        handed over, not copied."""
         out = []
         for like, s in zip(self._like, self._sums):
             if s is None:
                 out.append(None)
                 continue
             if scale is not None:
-                s = s * scale
+                s.mul_(scale)
             out.append(s.to(like.dtype))
+        self._sums = [None] * len(self._like)
         return out
 
 

@@ -152,9 +152,11 @@ class ChunkedHeadLossFunction(torch.autograd.Function):
                 "leanbp's chunked loss was computed with gradients disabled and cannot be backpropagated"
             )
         scale = grad_loss / ctx.denominator
+        # Memory: drop ctx's reference so the summed head gradients are handed over, not copied
+        param_grads, ctx.param_grads = ctx.param_grads, None
         dinput = None
         if ctx.needs_input_grad[0]:
             (dflat,) = ctx.saved_tensors
             dinput = (dflat * scale.to(dflat.dtype)).view(ctx.hidden_shape)
-        it = iter(ctx.param_grads.result(scale))
+        it = iter(param_grads.result(scale))
         return (dinput, None, *[next(it) if need else None for need in ctx.needs_input_grad[2:]])

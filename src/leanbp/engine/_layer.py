@@ -81,6 +81,7 @@ class StreamedLayerFunction(torch.autograd.Function):
         grads = GradSum(trainable)
         T = hidden.shape[1]
         chunks = run.chunks(T)
+        grad_out = grad_out.contiguous()
 
         # Prefix K/V for every chunk, computed once without a graph (the last chunk's own rows are
         # never a prefix, so they are skipped).
@@ -92,7 +93,9 @@ class StreamedLayerFunction(torch.autograd.Function):
                     run.layer, hidden[:, :prefix_rows], run.cos[:, :prefix_rows], run.sin[:, :prefix_rows]
                 )
         dkey = dvalue = None  # dL/dK, dL/dV sent to rows by the chunks after them
-        dhidden = torch.empty_like(hidden) if need_input else None
+        # Memory: dL/dH_in[s:e] overwrites dL/dH_out[s:e], which chunk [s, e) was the last to read.
+        # grad_out is always the fresh gradient returned by the next streamed layer or the head.
+        dhidden = grad_out if need_input else None
 
         for s, e in reversed(chunks):
             kb = run.key_begin(s)
@@ -116,11 +119,16 @@ class StreamedLayerFunction(torch.autograd.Function):
             if need_input:
                 dhidden[:, s:e] = g.pop(0)  # final: no other chunk reaches rows [s, e)
             if prefix:
-                if dkey is None:
-                    dkey, dvalue = torch.zeros_like(key), torch.zeros_like(value)
-                for buf, d in zip((dkey, dvalue), (g.pop(0), g.pop(0))):
-                    if d is not None:
-                        buf[:, :, kb:s] += d
+                dprefix_key, dprefix_value = g.pop(0), g.pop(0)
+                if dkey is None and kb == 0 and s == key.shape[2]:
+                    # Memory: the first (largest) prefix gradient becomes the accumulator itself
+                    dkey, dvalue = dprefix_key, dprefix_value
+                else:
+                    if dkey is None:
+                        dkey, dvalue = torch.zeros_like(key), torch.zeros_like(value)
+                    dkey[:, :, kb:s] += dprefix_key
+                    dvalue[:, :, kb:s] += dprefix_value
+                del dprefix_key, dprefix_value
             grads.add(g)
             del out_c, key_c, value_c, g
 

@@ -29,7 +29,7 @@ class StreamConfig:
     """
 
     chunk_size: int = 1024
-    head_chunk_size: int = 1024
+    head_chunk_size: int = 512
 
     def __post_init__(self):
         for name in ("chunk_size", "head_chunk_size"):
@@ -50,7 +50,7 @@ def is_streamed(model: nn.Module) -> bool:
     return "_leanbp_stream" in vars(model)
 
 
-def stream(model: nn.Module, chunk_size: int = 1024, head_chunk_size: int = 1024) -> nn.Module:
+def stream(model: nn.Module, chunk_size: int = 1024, head_chunk_size: int = 512) -> nn.Module:
     """Make ``model(input_ids, labels=...)`` + ``loss.backward()`` run exact StreamBP.
 
     Only calls with ``labels`` are streamed (they return ``loss`` and ``logits=None``); calls

@@ -39,21 +39,27 @@ class MemoryReport:
 class _LiveStorageBytes(TorchDispatchMode):
     """Counts bytes of storages created inside the mode while they are alive."""
 
-    def __init__(self, baseline: int):
+    def __init__(self, baseline: int, existing=()):
         super().__init__()
         self.live = baseline
         self.peak = baseline
         self._seen: "weakref.WeakSet" = weakref.WeakSet()
+        for t in existing:  # already counted in the baseline
+            self._seen.add(t.untyped_storage())
 
     def _freed(self, nbytes: int) -> None:
         self.live -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # a view or an in-place result shares an input's storage: nothing new was allocated (this
+        # matters for views of tensors that existed before tracking began, e.g. weight.t())
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
-                if storage not in self._seen:
+                if storage not in self._seen and (storage.data_ptr() not in inputs or storage.nbytes() == 0):
                     self._seen.add(storage)
                     nbytes = storage.nbytes()
                     self.live += nbytes
@@ -95,7 +101,7 @@ class track:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._mode = None
         else:
-            self._mode = _LiveStorageBytes(params + grads_before)
+            self._mode = _LiveStorageBytes(params + grads_before, self._params() + self._grads())
             self._mode.__enter__()
         self._params_bytes = params
         return self
