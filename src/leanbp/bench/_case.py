@@ -45,7 +45,11 @@ def run_case(spec: dict) -> dict:
         loss.backward()
         return loss.item()
 
-    # step 1: memory (also warms up kernels and the allocator); gradients then exist, as in training
+    # Steady state of a training loop: parameters and their gradients are resident, so
+    # peak - params - grads is exactly the memory the step needs on top of them.
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    # step 1: memory (also warms up kernels and the allocator)
     with memory.track(model, device=device) as mem:
         loss = step()
     model.zero_grad(set_to_none=False)

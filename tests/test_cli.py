@@ -1,0 +1,79 @@
+"""The command line: train (with checkpoint + resume), verify, and bench on tiny settings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from leanbp.cli import main
+
+
+def test_train_checkpoint_and_resume(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--seq-len", "128", "--steps", "3", "--save-every", "2", "--out", str(out),
+                 "--chunk-size", "40", "--head-chunk-size", "50"]) == 0
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 3 and len(state["losses"]) == 3
+    assert (out / "loss.png").stat().st_size > 0
+    # the checkpoint is a plain transformers checkpoint
+    model = transformers.AutoModelForCausalLM.from_pretrained(out / "checkpoint")
+    assert model.config.model_type == "qwen3"
+    assert main(["train", "--seq-len", "128", "--steps", "5", "--out", str(out), "--resume",
+                 "--chunk-size", "40"]) == 0
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 5 and len(state["losses"]) == 5
+    rows = (out / "train_log.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows] == ["step", "1", "2", "3", "4", "5"]
+
+
+def test_train_resume_gives_the_same_losses_as_one_run(tmp_path):
+    args = ["train", "--seq-len", "64", "--chunk-size", "24", "--lr", "3e-3"]
+    assert main(args + ["--steps", "4", "--out", str(tmp_path / "a")]) == 0
+    assert main(args + ["--steps", "2", "--out", str(tmp_path / "b")]) == 0
+    assert main(args + ["--steps", "4", "--out", str(tmp_path / "b"), "--resume"]) == 0
+    a = json.loads((tmp_path / "a" / "checkpoint" / "trainer_state.json").read_text())["losses"]
+    b = json.loads((tmp_path / "b" / "checkpoint" / "trainer_state.json").read_text())["losses"]
+    assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_train_sft_jsonl_with_prompt_masking(tmp_path):
+    data = tmp_path / "sft.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"Q{i}: what is {i}+{i}? ", "completion": f"A: {2 * i}."})
+                              for i in range(20)))
+    assert main(["train", "--data", str(data), "--seq-len", "48", "--batch-size", "2", "--grad-accum", "2",
+                 "--steps", "2", "--out", str(tmp_path / "o"), "--chunk-size", "16"]) == 0
+
+
+def test_train_rejects_bad_input(tmp_path, capsys):
+    assert main(["train", "--steps", "0", "--out", str(tmp_path)]) == 2
+    assert "steps must be >= 1" in capsys.readouterr().err
+    assert main(["train", "--model", str(tmp_path / "missing"), "--out", str(tmp_path)]) == 2
+    assert main(["train", "--resume", "--out", str(tmp_path / "empty")]) == 2
+
+
+def test_verify_built_in_model(capsys):
+    assert main(["verify", "--seq-len", "40", "--batch", "2", "--chunk-size", "9"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "lm head" in out
+
+
+def test_verify_a_local_config(tmp_path, capsys):
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    config.save_pretrained(tmp_path)
+    assert main(["verify", "--model", str(tmp_path / "config.json"), "--seq-len", "30", "--chunk-size", "7"]) == 0
+
+
+def test_bench_writes_table_csv_and_plot(tmp_path, capsys):
+    assert main(["bench", "--seq-lens", "64", "--methods", "ckpt,leanbp", "--out", str(tmp_path),
+                 "--chunk-size", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "| 64 | leanbp |" in out
+    csv_text = (tmp_path / "bench.csv").read_text()
+    assert csv_text.startswith("method,seq_len") and "leanbp" in csv_text
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert all("error" not in r and r["activations"] > 0 for r in rows)
