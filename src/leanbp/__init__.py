@@ -1,7 +1,11 @@
-"""leanbp: exact sequence-streamed backpropagation (StreamBP) for long-sequence LM training."""
+"""leanbp: exact sequence-streamed backpropagation (StreamBP) for long-sequence LM training,
+plus opt-in Approx-BP (2-bit activations) and MS-BP (memory-sharing norms)."""
 
+from . import memory
+from .approx import approx, is_approximated, unapprox
 from .engine import StreamConfig, is_streamed, stream, unstream
 
 __version__ = "0.1.0"
 
-__all__ = ["StreamConfig", "is_streamed", "stream", "unstream", "__version__"]
+__all__ = ["StreamConfig", "approx", "is_approximated", "is_streamed", "memory", "stream", "unapprox",
+           "unstream", "__version__"]
