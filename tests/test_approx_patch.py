@@ -42,7 +42,7 @@ def test_unapprox_restores_modules_and_weights():
     original = copy.deepcopy(model.state_dict())
     approx(model)
     unapprox(model)
-    assert not leanbp.approx.is_approximated(model)
+    assert not leanbp.is_approximated(model)
     assert type(model.model.layers[0].input_layernorm).__name__ == "Qwen3RMSNorm"
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, original[name], rtol=1e-15, atol=0, msg=name)
