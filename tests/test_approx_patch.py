@@ -85,11 +85,22 @@ def _storages_saved(model, batch, autocast=False):
     return counts
 
 
-def _norm_outputs(model):
-    outs = []
-    for layer in model.model.layers:
-        layer.input_layernorm.register_forward_hook(lambda m, a, y: outs.append(y.untyped_storage().data_ptr()))
-    return outs
+class _NormOutputs(list):
+    """Storage addresses of each layer's input-norm output. The outputs are kept alive so that no
+    later tensor can reuse an address during the forward."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.keep = []
+        for layer in model.model.layers:
+            layer.input_layernorm.register_forward_hook(self._record)
+
+    def _record(self, module, args, y):
+        self.keep.append(y)
+        self.append(y.untyped_storage().data_ptr())
+
+
+_norm_outputs = _NormOutputs
 
 
 @pytest.mark.parametrize("autocast", [False, True])
