@@ -104,3 +104,17 @@ def test_gradient_accumulation_num_items_in_batch():
 def test_num_items_in_batch_matches_reference():
     model = tiny_model("llama")
     assert_exact(*compare_step(model, dict(chunk_size=5), make_batch(), num_items_in_batch=torch.tensor(77)))
+
+
+@pytest.mark.parametrize("family_name", ["llama", "qwen3"])
+def test_head_only_mode(family_name):
+    """layers=False: transformers' own decoder with leanbp's chunked head + loss."""
+    model = tiny_model(family_name)
+    assert_exact(*compare_step(model, dict(head_chunk_size=7, layers=False), make_batch(padding="left"),
+                               embeds=True))
+
+
+def test_head_only_mode_composes_with_gradient_checkpointing():
+    model = tiny_model("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert_exact(*compare_step(model, dict(head_chunk_size=7, layers=False), make_batch()))

@@ -20,6 +20,18 @@ BENCH_QWEN3 = dict(
     vocab_size=32000,
 )
 
+# Llama-shaped model of the Approx-BP / MS-BP rows of `leanbp bench` (hidden 512, 4 layers,
+# intermediate 1376, vocab 32000)
+BENCH_LLAMA = dict(
+    hidden_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    intermediate_size=1376,
+    vocab_size=32000,
+    tie_word_embeddings=False,
+)
+
 # Qwen3-shaped model trained by `leanbp train` with no arguments: byte-level vocabulary so that the
 # bundled text needs no downloaded tokenizer
 TRAIN_QWEN3 = dict(

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from . import memory
 from ._builtin import TRAIN_QWEN3, build_model, qwen3_config
 from ._data import TokenData, load_tokenizer
+from .approx import approx
 from .engine import stream
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -39,6 +40,7 @@ class TrainConfig:
     chunk_size: int = 1024
     head_chunk_size: int = 512
     stream: bool = True
+    approx: str = "none"  # none | act | norm | both (Approx-BP / MS-BP; "act" changes gradients)
     save_every: int = 20
     seed: int = 0
     device: str = "cpu"
@@ -53,6 +55,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.lr <= 0:
             raise ValueError("lr must be > 0")
+        if self.approx not in ("none", "act", "norm", "both"):
+            raise ValueError(f"approx must be none, act, norm or both, got {self.approx!r}")
 
 
 def load_model(spec: str | None, seq_len: int, dtype: torch.dtype, seed: int):
@@ -112,6 +116,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     tokenizer = load_tokenizer(cfg.model if not cfg.resume else state["config"]["model"],
                                model.config.vocab_size)
     data = TokenData(tokenizer, cfg.data, cfg.seq_len, seed=cfg.seed)
+    if cfg.approx != "none":
+        approx(model, activations=cfg.approx in ("act", "both"), norms=cfg.approx in ("norm", "both"))
     if cfg.stream:
         stream(model, chunk_size=cfg.chunk_size, head_chunk_size=cfg.head_chunk_size)
     params = [p for p in model.parameters() if p.requires_grad]

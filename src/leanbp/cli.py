@@ -24,6 +24,9 @@ def _add_train(sub):
     p.add_argument("--chunk-size", type=int, default=1024, help="rows per chunk in a decoder layer")
     p.add_argument("--head-chunk-size", type=int, default=512, help="labelled rows per chunk in the LM head + loss")
     p.add_argument("--no-stream", action="store_true", help="plain autograd (baseline)")
+    p.add_argument("--approx", choices=["none", "act", "norm", "both"], default="none",
+                   help="opt in to Approx-BP (act: ReSiLU2/ReGELU2, approximate gradients) and/or MS-BP "
+                        "(norm: memory-sharing norms with folded affines)")
     p.add_argument("--save-every", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
@@ -36,9 +39,13 @@ def _add_bench(sub):
                                    "(Qwen3-shaped, hidden 512, 4 layers, vocab 32000) and prints peak memory, "
                                    "activation memory (peak - params - grads), step time and ratios to gradient "
                                    "checkpointing. Writes bench.csv, bench.json and bench.png to --out.")
-    p.add_argument("--seq-lens", default="2048,4096,8192,16384", help="comma-separated sequence lengths")
-    p.add_argument("--methods", default="plain,ckpt,leanbp", help="comma-separated: plain, ckpt, leanbp")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--suite", choices=["stream", "approx"], default="stream",
+                   help="stream: plain vs checkpointing vs leanbp on the Qwen3 bench model; approx: exact vs "
+                        "ReSiLU2 / MS-RMSNorm / both on a Llama-shaped model (batch 4, T 512-2048, full and LoRA)")
+    p.add_argument("--seq-lens", help="comma-separated sequence lengths (stream: 2048,4096,8192,16384; "
+                                      "approx: 512,1024,2048)")
+    p.add_argument("--methods", default="plain,ckpt,leanbp", help="stream suite: comma-separated plain, ckpt, leanbp")
+    p.add_argument("--batch", type=int, help="batch size (stream: 1, approx: 4)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--chunk-size", type=int, default=1024)
@@ -65,7 +72,7 @@ def _train(args) -> int:
     cfg = TrainConfig(model=args.model, data=args.data, out=args.out, seq_len=args.seq_len,
                       batch_size=args.batch_size, grad_accum=args.grad_accum, steps=args.steps, lr=args.lr,
                       dtype=args.dtype, chunk_size=args.chunk_size, head_chunk_size=args.head_chunk_size,
-                      stream=not args.no_stream, save_every=args.save_every, seed=args.seed,
+                      stream=not args.no_stream, approx=args.approx, save_every=args.save_every, seed=args.seed,
                       device=args.device, resume=args.resume)
     state = train(cfg)
     losses = state["losses"]
@@ -75,11 +82,18 @@ def _train(args) -> int:
 
 
 def _bench(args) -> int:
-    from .bench import BenchCase, run_bench
-    from .bench._run import format_table
+    from .bench import ApproxBenchCase, BenchCase, run_approx_bench, run_bench
+    from .bench._run import format_approx_table, format_table
 
-    case = BenchCase(seq_lens=[int(x) for x in args.seq_lens.split(",")], methods=args.methods.split(","),
-                     batch=args.batch, dtype=args.dtype, device=args.device, chunk_size=args.chunk_size,
+    seq_lens = [int(x) for x in args.seq_lens.split(",")] if args.seq_lens else None
+    if args.suite == "approx":
+        case = ApproxBenchCase(**({"seq_lens": seq_lens} if seq_lens else {}),
+                               **({"batch": args.batch} if args.batch else {}))
+        print(format_approx_table(run_approx_bench(case, args.out)))
+        print(f"\nwrote {args.out}/bench_approx.csv, bench_approx.json")
+        return 0
+    case = BenchCase(**({"seq_lens": seq_lens} if seq_lens else {}), methods=args.methods.split(","),
+                     batch=args.batch or 1, dtype=args.dtype, device=args.device, chunk_size=args.chunk_size,
                      head_chunk_size=args.head_chunk_size)
     rows = run_bench(case, args.out)
     print(format_table(rows))

@@ -13,7 +13,9 @@ import time
 
 import torch
 
-METHODS = ("plain", "ckpt", "leanbp")
+METHODS = ("plain", "ckpt", "leanbp", "head")  # head: transformers' decoder + leanbp's chunked loss
+APPROX = ("none", "act", "norm", "both")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def _sync(device):
@@ -21,34 +23,60 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_case(spec: dict) -> dict:
-    from .. import memory, stream
-    from .._builtin import BENCH_QWEN3, build_model, qwen3_config
+def build_case_model(spec: dict):
+    """The model of a case: bench shape, dtype, optional LoRA, optional approximation, method."""
+    import transformers
 
-    method = spec["method"]
+    from .. import approx, stream
+    from .._builtin import BENCH_LLAMA, BENCH_QWEN3, build_model, qwen3_config
+
+    method, variant = spec["method"], spec.get("approx", "none")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
-    device = torch.device(spec.get("device", "cpu"))
+    if variant not in APPROX:
+        raise ValueError(f"unknown approx {variant!r}; choose from {APPROX}")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.get("dtype", "fp32")]
-    T, B = spec["seq_len"], spec.get("batch", 1)
-    model = build_model(qwen3_config(BENCH_QWEN3, max_positions=max(T, 2048)), dtype=dtype).to(device).train()
+    T = spec["seq_len"]
+    if spec.get("model", "qwen3") == "llama":
+        config = transformers.LlamaConfig(**BENCH_LLAMA, max_position_embeddings=max(T, 2048),
+                                          attn_implementation="sdpa")
+    else:
+        config = qwen3_config(BENCH_QWEN3, max_positions=max(T, 2048))
+    model = build_model(config, dtype=dtype).to(spec.get("device", "cpu")).train()
     if method == "ckpt":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif method == "leanbp":
-        stream(model, chunk_size=spec.get("chunk_size", 1024), head_chunk_size=spec.get("head_chunk_size", 512))
+    top = model
+    if spec.get("lora"):
+        import peft
+
+        top = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS))
+    if variant != "none":
+        approx(model, activations=variant in ("act", "both"), norms=variant in ("norm", "both"))
+    if method in ("leanbp", "head"):
+        stream(model, chunk_size=spec.get("chunk_size", 1024), head_chunk_size=spec.get("head_chunk_size", 512),
+               layers=method == "leanbp")
+    return top, model.config
+
+
+def run_case(spec: dict) -> dict:
+    from .. import memory
+
+    device = torch.device(spec.get("device", "cpu"))
+    T, B = spec["seq_len"], spec.get("batch", 1)
+    model, config = build_case_model(spec)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (B, T), generator=gen).to(device)
+    ids = torch.randint(0, config.vocab_size, (B, T), generator=gen).to(device)
 
     def step():
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss if method != "leanbp" else \
-            model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         return loss.item()
 
     # Steady state of a training loop: parameters and their gradients are resident, so
     # peak - params - grads is exactly the memory the step needs on top of them.
     for p in model.parameters():
-        p.grad = torch.zeros_like(p)
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
     # step 1: memory (also warms up kernels and the allocator)
     with memory.track(model, device=device) as mem:
         loss = step()

@@ -63,6 +63,67 @@ def run_bench(case: BenchCase, out_dir: str | Path, progress: bool = True) -> li
     return rows
 
 
+@dataclass
+class ApproxBenchCase:
+    """Approx-BP / MS-BP rows: Llama-shaped model, no checkpointing, exact vs approximations.
+
+    Every row uses leanbp's chunked LM-head loss on transformers' own decoder (``method="head"``),
+    so the full logits, identical in every row, do not mask the layers' activation memory."""
+
+    seq_lens: list[int] = field(default_factory=lambda: [512, 1024, 2048])
+    variants: list[str] = field(default_factory=lambda: ["none", "act", "norm", "both"])
+    lora: list[bool] = field(default_factory=lambda: [False, True])
+    batch: int = 4
+    method: str = "head"
+    timeout_s: int = 3600
+
+
+def run_approx_bench(case: ApproxBenchCase, out_dir: str | Path, progress: bool = True) -> list[dict]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    specs = [{"model": "llama", "method": case.method, "approx": v, "lora": lora, "seq_len": T, "batch": case.batch}
+             for lora in case.lora for T in case.seq_lens for v in case.variants]
+    rows = []
+    bar = tqdm(specs, desc="bench approx", disable=not progress, unit="case")
+    for spec in bar:
+        bar.set_postfix_str(f"{'lora' if spec['lora'] else 'full'} T={spec['seq_len']} {spec['approx']}")
+        rows.append(_run_one(spec, case.timeout_s))
+    exact = {(r["lora"], r["seq_len"]): r for r in rows if r["approx"] == "none" and "error" not in r}
+    for r in rows:
+        base = exact.get((r["lora"], r["seq_len"]))
+        if base is not None and "error" not in r:
+            r["act_vs_exact"] = r["activations"] / base["activations"]
+            r["time_vs_exact"] = r["step_s"] / base["step_s"]
+    (out_dir / "bench_approx.json").write_text(json.dumps({"case": asdict(case), "rows": rows}, indent=1))
+    with open(out_dir / "bench_approx.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["fine_tuning", "seq_len", "approx", "act_mib", "step_s", "act_vs_exact", "time_vs_exact", "error"])
+        for r in rows:
+            w.writerow(["lora" if r["lora"] else "full", r["seq_len"], r["approx"],
+                        round(r["activations"] / MiB, 1) if "activations" in r else "",
+                        round(r["step_s"], 3) if "step_s" in r else "",
+                        round(r.get("act_vs_exact", float("nan")), 3), round(r.get("time_vs_exact", float("nan")), 3),
+                        r.get("error", "")])
+    return rows
+
+
+APPROX_LABELS = {"none": "exact", "act": "ReSiLU2 only", "norm": "MS-RMSNorm only", "both": "ReSiLU2 + MS-RMSNorm"}
+
+
+def format_approx_table(rows: list[dict]) -> str:
+    header = ["fine-tuning", "T", "backward", "activation MiB", "step s", "act / exact", "time / exact"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        kind = "LoRA r=8" if r["lora"] else "full"
+        if r.get("error"):
+            lines.append(f"| {kind} | {r['seq_len']} | {APPROX_LABELS[r['approx']]} | {r['error']} | | | |")
+            continue
+        lines.append(f"| {kind} | {r['seq_len']} | {APPROX_LABELS[r['approx']]} | {r['activations'] / MiB:.1f} | "
+                     f"{r['step_s']:.2f} | {r.get('act_vs_exact', float('nan')):.3f} | "
+                     f"{r.get('time_vs_exact', float('nan')):.3f} |")
+    return "\n".join(lines)
+
+
 def _add_ratios(rows: list[dict]) -> None:
     """Each row's activation memory and time relative to gradient checkpointing at the same T."""
     ckpt = {r["seq_len"]: r for r in rows if r["method"] == "ckpt" and "error" not in r}

@@ -26,10 +26,13 @@ class StreamConfig:
 
     chunk_size: rows of the sequence recomputed and backpropagated at once in a decoder layer.
     head_chunk_size: labelled rows whose logits exist at once in the LM head + loss.
+    layers: stream the decoder layers (StreamBP). False keeps the model's own decoder (plain
+        autograd, or its gradient checkpointing) and chunks only the LM head + loss.
     """
 
     chunk_size: int = 1024
     head_chunk_size: int = 512
+    layers: bool = True
 
     def __post_init__(self):
         for name in ("chunk_size", "head_chunk_size"):
@@ -50,13 +53,14 @@ def is_streamed(model: nn.Module) -> bool:
     return "_leanbp_stream" in vars(model)
 
 
-def stream(model: nn.Module, chunk_size: int = 1024, head_chunk_size: int = 512) -> nn.Module:
+def stream(model: nn.Module, chunk_size: int = 1024, head_chunk_size: int = 512, layers: bool = True) -> nn.Module:
     """Make ``model(input_ids, labels=...)`` + ``loss.backward()`` run exact StreamBP.
 
     Only calls with ``labels`` are streamed (they return ``loss`` and ``logits=None``); calls
-    without labels run the model's own forward. Undo with :func:`unstream`.
+    without labels run the model's own forward. ``layers=False`` chunks only the LM head + loss
+    (no full logits) and leaves the decoder to transformers. Undo with :func:`unstream`.
     """
-    config = StreamConfig(chunk_size=chunk_size, head_chunk_size=head_chunk_size)
+    config = StreamConfig(chunk_size=chunk_size, head_chunk_size=head_chunk_size, layers=layers)
     if is_streamed(model):
         raise ValueError("model is already streamed; call leanbp.unstream(model) first to change chunk sizes")
     adapter = adapter_for(model)
@@ -66,14 +70,15 @@ def stream(model: nn.Module, chunk_size: int = 1024, head_chunk_size: int = 512)
             f"attn_implementation={attn_impl!r} is not supported by leanbp.stream (it computes chunk "
             f"attention itself with SDPA); load the model with attn_implementation='sdpa'."
         )
-    if getattr(model, "is_activation_checkpointing", None) or getattr(model.model, "gradient_checkpointing", False):
+    if layers and (getattr(model, "is_activation_checkpointing", None) or getattr(model.model, "gradient_checkpointing", False)):
         raise ValueError(
             "gradient checkpointing is enabled; StreamBP already keeps only each layer's input. "
             "Call model.gradient_checkpointing_disable() before leanbp.stream(model)."
         )
     layers = adapter.layers()
     module_names = {m: n for n, m in model.named_modules()}
-    head_modules = [adapter.final_norm(), adapter.lm_head()]
+    # without streamed layers the decoder applies the final norm itself
+    head_modules = [adapter.final_norm(), adapter.lm_head()] if layers else [adapter.lm_head()]
     state = _StreamState(
         config=config,
         adapter=adapter,
@@ -157,8 +162,9 @@ def _streamed_forward(
             self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             inputs_embeds=inputs_embeds, logits_to_keep=logits_to_keep, **passed, **kwargs,
         )
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
+    if not state.config.layers:
+        return _head_only_forward(self, state, input_ids, attention_mask, position_ids, inputs_embeds, labels,
+                                  num_items_in_batch, kwargs)
     _check_call(
         self,
         {"use_cache": use_cache, "past_key_values": past_key_values, "cache": cache,
@@ -170,9 +176,7 @@ def _streamed_forward(
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids or inputs_embeds")
     hidden = adapter.embed_tokens()(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, H)
-    B, T = hidden.shape[:2]
-    if labels.shape != (B, T):
-        raise ValueError(f"labels must have shape {(B, T)}, got {tuple(labels.shape)}")
+    T = hidden.shape[1]
     if position_ids is None:
         position_ids = torch.arange(T, device=hidden.device).unsqueeze(0)  # (1, T)
     cos, sin = adapter.position_embeddings(hidden, position_ids)
@@ -194,6 +198,15 @@ def _streamed_forward(
         )
         hidden = StreamedLayerFunction.apply(hidden, run, *_trainable(layer, state.layer_param_names[i]))
 
+    return _loss_output(self, state, hidden, adapter.final_norm(), labels, num_items_in_batch)
+
+
+def _loss_output(model, state: _StreamState, hidden, norm, labels, num_items_in_batch):
+    """The chunked head + loss on the last decoder output (B, T, H)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    if labels.shape != hidden.shape[:2]:
+        raise ValueError(f"labels must have shape {tuple(hidden.shape[:2])}, got {tuple(labels.shape)}")
     targets = shift_labels(labels.to(hidden.device))
     if num_items_in_batch is not None:
         denominator = num_items_in_batch
@@ -202,13 +215,21 @@ def _streamed_forward(
     else:
         denominator = (targets != IGNORE_INDEX).sum()
     head = HeadRun(
-        norm=adapter.final_norm(),
-        lm_head=adapter.lm_head(),
+        norm=norm,
+        lm_head=state.adapter.lm_head(),
         targets=targets,
         denominator=denominator,
-        chunk_size=config.head_chunk_size,
-        autocast=autocast,
+        chunk_size=state.config.head_chunk_size,
+        autocast=AutocastState(hidden.device.type),
         grad_enabled=torch.is_grad_enabled(),
     )
-    loss = ChunkedHeadLossFunction.apply(hidden, head, *_trainable(self, state.head_param_names))
+    loss = ChunkedHeadLossFunction.apply(hidden, head, *_trainable(model, state.head_param_names))
     return CausalLMOutputWithPast(loss=loss, logits=None)
+
+
+def _head_only_forward(model, state, input_ids, attention_mask, position_ids, inputs_embeds, labels,
+                       num_items_in_batch, kwargs):
+    """The model's own decoder (final norm included), then the chunked head + loss."""
+    out = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      inputs_embeds=inputs_embeds, use_cache=False, **kwargs)
+    return _loss_output(model, state, out.last_hidden_state, nn.Identity(), labels, num_items_in_batch)
