@@ -19,7 +19,7 @@ from . import memory
 from ._builtin import TRAIN_QWEN3, build_model, qwen3_config
 from ._data import TokenData, load_tokenizer
 from .approx import approx
-from .engine import stream
+from .engine import StreamConfig, stream
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -37,8 +37,8 @@ class TrainConfig:
     warmup: int = 5
     weight_decay: float = 0.0
     dtype: str = "fp32"
-    chunk_size: int = 1024
-    head_chunk_size: int = 512
+    chunk_size: int = StreamConfig.chunk_size
+    head_chunk_size: int = StreamConfig.head_chunk_size
     stream: bool = True
     approx: str = "none"  # none | act | norm | both (Approx-BP / MS-BP; "act" changes gradients)
     save_every: int = 20

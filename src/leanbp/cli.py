@@ -6,6 +6,8 @@ import argparse
 import sys
 import warnings
 
+from .engine import StreamConfig
+
 
 def _add_train(sub):
     p = sub.add_parser("train", help="train a model with StreamBP (default: built-in Qwen3-shaped model on bundled text)",
@@ -21,8 +23,9 @@ def _add_train(sub):
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp64"], default="fp32")
-    p.add_argument("--chunk-size", type=int, default=1024, help="rows per chunk in a decoder layer")
-    p.add_argument("--head-chunk-size", type=int, default=512, help="labelled rows per chunk in the LM head + loss")
+    p.add_argument("--chunk-size", type=int, default=StreamConfig.chunk_size, help="rows per chunk in a decoder layer")
+    p.add_argument("--head-chunk-size", type=int, default=StreamConfig.head_chunk_size,
+                   help="labelled rows per chunk in the LM head + loss")
     p.add_argument("--no-stream", action="store_true", help="plain autograd (baseline)")
     p.add_argument("--approx", choices=["none", "act", "norm", "both"], default="none",
                    help="opt in to Approx-BP (act: ReSiLU2/ReGELU2, approximate gradients) and/or MS-BP "
@@ -48,8 +51,8 @@ def _add_bench(sub):
     p.add_argument("--batch", type=int, help="batch size (stream: 1, approx: 4)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--chunk-size", type=int, default=1024)
-    p.add_argument("--head-chunk-size", type=int, default=512)
+    p.add_argument("--chunk-size", type=int, default=StreamConfig.chunk_size)
+    p.add_argument("--head-chunk-size", type=int, default=StreamConfig.head_chunk_size)
     p.add_argument("--out", default="bench_out", help="folder for bench.csv / bench.json / bench.png")
 
 

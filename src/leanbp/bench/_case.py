@@ -28,6 +28,7 @@ def build_case_model(spec: dict):
     import transformers
 
     from .. import approx, stream
+    from ..engine import StreamConfig
     from .._builtin import BENCH_LLAMA, BENCH_QWEN3, build_model, qwen3_config
 
     method, variant = spec["method"], spec.get("approx", "none")
@@ -53,7 +54,8 @@ def build_case_model(spec: dict):
     if variant != "none":
         approx(model, activations=variant in ("act", "both"), norms=variant in ("norm", "both"))
     if method in ("leanbp", "head"):
-        stream(model, chunk_size=spec.get("chunk_size", 1024), head_chunk_size=spec.get("head_chunk_size", 512),
+        stream(model, chunk_size=spec.get("chunk_size", StreamConfig.chunk_size),
+               head_chunk_size=spec.get("head_chunk_size", StreamConfig.head_chunk_size),
                layers=method == "leanbp")
     return top, model.config
 

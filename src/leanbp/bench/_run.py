@@ -12,6 +12,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..engine import StreamConfig
+
 MiB = 2**20
 
 
@@ -22,8 +24,8 @@ class BenchCase:
     batch: int = 1
     dtype: str = "fp32"
     device: str = "cpu"
-    chunk_size: int = 1024
-    head_chunk_size: int = 512
+    chunk_size: int = StreamConfig.chunk_size
+    head_chunk_size: int = StreamConfig.head_chunk_size
     timeout_s: int = 3600
 
 

@@ -79,6 +79,25 @@ class ChunkMasks:
         return self._allowed(self.key_begin, self.end, per_row=True)
 
 
+class PrefixGradSink:
+    """Running dL/dK and dL/dV of the prefix rows of a layer, (B, Hkv, P, D) each, zero until the
+    first gradient arrives. The two-block attention adds its prefix gradients straight into it, one
+    key block at a time, instead of returning a fresh (B, Hkv, p, D) pair per chunk."""
+
+    block_rows = 2048  # Memory: the largest prefix-gradient temporary is this many rows
+
+    def __init__(self, key: torch.Tensor, value: torch.Tensor):
+        self._like = (key, value)
+        self.dkey: torch.Tensor | None = None
+        self.dvalue: torch.Tensor | None = None
+
+    def add(self, start: int, end: int, dkey: torch.Tensor, dvalue: torch.Tensor) -> None:
+        if self.dkey is None:
+            self.dkey, self.dvalue = torch.zeros_like(self._like[0]), torch.zeros_like(self._like[1])
+        self.dkey[:, :, start:end] += dkey
+        self.dvalue[:, :, start:end] += dvalue
+
+
 def _bias(allowed: torch.Tensor | None, dtype) -> torch.Tensor | None:
     """Boolean mask -> additive bias (0 / -inf) in the attention dtype."""
     if allowed is None:
@@ -99,7 +118,8 @@ _flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 class _TwoBlockAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, prefix_key, prefix_value, key, value, prefix_allowed, own_allowed, scale):
+    def forward(ctx, query, prefix_key, prefix_value, key, value, prefix_allowed, own_allowed, scale,
+                sink=None, sink_start=0):
         dtype = query.dtype
         own_bias = _bias(own_allowed, dtype)
         own_out, own_lse = _flash_fwd(query, key, value, 0.0, own_bias is None, attn_mask=own_bias, scale=scale)
@@ -121,6 +141,7 @@ class _TwoBlockAttention(torch.autograd.Function):
             out = sum(o.to(acc) * torch.exp(l - lse).unsqueeze(-1) for (*_, o, _), l in zip(blocks, lses))
             out = out.to(dtype)
         ctx.scale = scale
+        ctx.sink, ctx.sink_start = sink, sink_start
         ctx.causal = [b[3] for b in blocks]
         ctx.save_for_backward(query, out, lse, *[t for b in blocks for t in b[:3]])
         return out
@@ -129,22 +150,40 @@ class _TwoBlockAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         query, out, lse, *flat = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        grads = []
-        for i, causal in enumerate(ctx.causal):
-            k, v, bias = flat[3 * i: 3 * i + 3]
-            grads.append(_flash_bwd(grad_out, query, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=ctx.scale))
-        dq = grads[0][0] if len(grads) == 1 else grads[0][0] + grads[1][0]
-        dpk, dpv = (grads[1][1], grads[1][2]) if len(grads) > 1 else (None, None)
-        return dq, dpk, dpv, grads[0][1], grads[0][2], None, None, None
+        k, v, bias = flat[:3]
+        dq, dk, dv = _flash_bwd(grad_out, query, k, v, out, lse, 0.0, ctx.causal[0], attn_mask=bias, scale=ctx.scale)
+        dpk = dpv = None
+        if len(ctx.causal) > 1:
+            pk, pv, pbias = flat[3:6]
+            if ctx.sink is None:
+                dq_p, dpk, dpv = _flash_bwd(grad_out, query, pk, pv, out, lse, 0.0, False, attn_mask=pbias,
+                                            scale=ctx.scale)
+                dq = dq + dq_p
+            else:
+                # any split of the keys is exact given the merged output and log-sum-exp
+                step = PrefixGradSink.block_rows
+                for b0 in range(0, pk.shape[2], step):
+                    b1 = min(b0 + step, pk.shape[2])
+                    dq_b, dk_b, dv_b = _flash_bwd(
+                        grad_out, query, pk[:, :, b0:b1], pv[:, :, b0:b1], out, lse, 0.0, False,
+                        attn_mask=None if pbias is None else pbias[..., b0:b1], scale=ctx.scale)
+                    dq = dq + dq_b
+                    ctx.sink.add(ctx.sink_start + b0, ctx.sink_start + b1, dk_b, dv_b)
+                    del dk_b, dv_b
+        return dq, dpk, dpv, dk, dv, None, None, None, None, None
 
 
 def _use_two_block(query: torch.Tensor) -> bool:
     return query.device.type == "cpu" and os.environ.get("LEANBP_ATTENTION", "blocks") != "mask"
 
 
-def chunk_attention(query, prefix_key, prefix_value, key, value, masks: ChunkMasks, scale: float):
+def chunk_attention(query, prefix_key, prefix_value, key, value, masks: ChunkMasks, scale: float,
+                    sink: PrefixGradSink | None = None):
     """query (B, Hq, c, D); prefix_key/value (B, Hkv, p, D) or None; key/value (B, Hkv, c, D), the
-    chunk's own rows -> (B, Hq, c, D). GQA needs no repeated K/V."""
+    chunk's own rows -> (B, Hq, c, D). GQA needs no repeated K/V.
+
+    With a ``sink``, the prefix's K/V gradients are added into it (rows key_begin..start) rather
+    than returned through autograd (the single-SDPA path, off CPU, still returns them)."""
     if _use_two_block(query):
         if torch.is_autocast_enabled(query.device.type):
             # what SDPA does under autocast: attention runs in the autocast dtype
@@ -153,9 +192,13 @@ def chunk_attention(query, prefix_key, prefix_value, key, value, masks: ChunkMas
             if prefix_key is not None:
                 prefix_key, prefix_value = prefix_key.to(dtype), prefix_value.to(dtype)
         prefix_allowed = masks.prefix() if prefix_key is not None else None
+        use_sink = sink is not None and prefix_key is not None and prefix_key.requires_grad
+        if use_sink:
+            prefix_key, prefix_value = prefix_key.detach(), prefix_value.detach()
         # strided views go in as they are: the CPU flash kernel takes them without a copy
         return _TwoBlockAttention.apply(
-            query, prefix_key, prefix_value, key, value, prefix_allowed, masks.own(), scale
+            query, prefix_key, prefix_value, key, value, prefix_allowed, masks.own(), scale,
+            sink if use_sink else None, masks.key_begin,
         )
     if prefix_key is not None:
         key = torch.cat([prefix_key, key], dim=2)

@@ -37,6 +37,9 @@ class HeadRun:
     autocast: AutocastState
     # grad mode of the caller: inside Function.forward grad mode is always off
     grad_enabled: bool
+    # the input is a tensor nothing else will read (the last streamed layer's output): its rows
+    # may be overwritten with their gradient once read
+    input_is_scratch: bool = False
 
     @property
     def fused(self) -> bool:
@@ -116,7 +119,14 @@ class ChunkedHeadLossFunction(torch.autograd.Function):
             head_grad = {name: torch.zeros_like(t, dtype=accumulation_dtype(t.dtype))
                          for name, t in (("weight", head.weight), ("bias", head.bias))
                          if t is not None and any(t is p for p in trainable)}
-        dflat = torch.zeros_like(flat) if (want_grad and need_input) else None
+        dflat = None
+        if want_grad and need_input:
+            if run.input_is_scratch:
+                # Memory: dL/dhidden goes into the input's own buffer. Each labelled row is read
+                # (copied out) before its gradient is written back; unlabelled rows are never read.
+                dflat = flat.masked_fill_((targets == IGNORE_INDEX)[:, None], 0)
+            else:
+                dflat = torch.zeros_like(flat)
         for s in range(0, rows.numel(), run.chunk_size):
             idx = rows[s : s + run.chunk_size]
             rows_c = flat.index_select(0, idx).detach().requires_grad_(want_grad and need_input)
@@ -129,7 +139,7 @@ class ChunkedHeadLossFunction(torch.autograd.Function):
             if want_grad:
                 g = list(g)
                 if need_input:
-                    dflat.index_add_(0, idx, g.pop(0))
+                    dflat.index_copy_(0, idx, g.pop(0))  # each row is in exactly one chunk
                 grads.add(g)
             total += loss_c
         if head_grad:
@@ -141,8 +151,8 @@ class ChunkedHeadLossFunction(torch.autograd.Function):
         ctx.denominator = run.denominator
         ctx.param_grads = grads if want_grad else None
         ctx.hidden_shape = hidden.shape
-        if dflat is not None:
-            ctx.save_for_backward(dflat)
+        # kept as a plain attribute, not saved: with a scratch input it is that (modified) input
+        ctx.dflat = dflat
         return loss
 
     @staticmethod
@@ -156,7 +166,7 @@ class ChunkedHeadLossFunction(torch.autograd.Function):
         param_grads, ctx.param_grads = ctx.param_grads, None
         dinput = None
         if ctx.needs_input_grad[0]:
-            (dflat,) = ctx.saved_tensors
-            dinput = (dflat * scale.to(dflat.dtype)).view(ctx.hidden_shape)
+            dflat, ctx.dflat = ctx.dflat, None
+            dinput = dflat.mul_(scale.to(dflat.dtype)).view(ctx.hidden_shape)
         it = iter(param_grads.result(scale))
         return (dinput, None, *[next(it) if need else None for need in ctx.needs_input_grad[2:]])

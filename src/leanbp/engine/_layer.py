@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ._attention import ChunkMasks, key_start
+from ._attention import ChunkMasks, PrefixGradSink, key_start
 from ._grads import AutocastState, GradSum
 
 
@@ -44,12 +44,13 @@ class LayerRun:
     def key_begin(self, start: int) -> int:
         return key_start(start, self.window)
 
-    def chunk_out(self, hidden_c, prefix_key, prefix_value, start, end):
+    def chunk_out(self, hidden_c, prefix_key, prefix_value, start, end, sink=None):
         """(output, own key, own value) of rows [start, end); prefix_* are K/V rows
         [key_begin(start), start), or None when that range is empty."""
         masks = ChunkMasks(start, end, self.key_begin(start), self.window, self.key_keep, hidden_c.device)
         return self.adapter.chunk_forward(
-            self.layer, hidden_c, prefix_key, prefix_value, self.cos[:, start:end], self.sin[:, start:end], masks
+            self.layer, hidden_c, prefix_key, prefix_value, self.cos[:, start:end], self.sin[:, start:end], masks,
+            sink,
         )
 
 
@@ -92,7 +93,8 @@ class StreamedLayerFunction(torch.autograd.Function):
                 key, value = run.adapter.key_value(
                     run.layer, hidden[:, :prefix_rows], run.cos[:, :prefix_rows], run.sin[:, :prefix_rows]
                 )
-        dkey = dvalue = None  # dL/dK, dL/dV sent to rows by the chunks after them
+        # dL/dK, dL/dV that chunks send to the rows before them
+        sink = PrefixGradSink(key, value) if key is not None else None
         # Memory: dL/dH_in[s:e] overwrites dL/dH_out[s:e], which chunk [s, e) was the last to read.
         # grad_out is always the fresh gradient returned by the next streamed layer or the head.
         dhidden = grad_out if need_input else None
@@ -106,10 +108,10 @@ class StreamedLayerFunction(torch.autograd.Function):
                 prefix_key = key[:, :, kb:s].detach().requires_grad_()
                 prefix_value = value[:, :, kb:s].detach().requires_grad_()
             with torch.enable_grad(), run.autocast():
-                out_c, key_c, value_c = run.chunk_out(hidden_c, prefix_key, prefix_value, s, e)
+                out_c, key_c, value_c = run.chunk_out(hidden_c, prefix_key, prefix_value, s, e, sink)
             outputs, grad_outputs = [out_c], [grad_out[:, s:e]]
-            if dkey is not None:  # what later chunks sent to this chunk's own K/V rows
-                for own, d in ((key_c, dkey), (value_c, dvalue)):
+            if sink is not None and sink.dkey is not None:  # what later chunks sent to this chunk's own rows
+                for own, d in ((key_c, sink.dkey), (value_c, sink.dvalue)):
                     if own.requires_grad:
                         outputs.append(own)
                         grad_outputs.append(d[:, :, s:e])
@@ -120,14 +122,8 @@ class StreamedLayerFunction(torch.autograd.Function):
                 dhidden[:, s:e] = g.pop(0)  # final: no other chunk reaches rows [s, e)
             if prefix:
                 dprefix_key, dprefix_value = g.pop(0), g.pop(0)
-                if dkey is None and kb == 0 and s == key.shape[2]:
-                    # Memory: the first (largest) prefix gradient becomes the accumulator itself
-                    dkey, dvalue = dprefix_key, dprefix_value
-                else:
-                    if dkey is None:
-                        dkey, dvalue = torch.zeros_like(key), torch.zeros_like(value)
-                    dkey[:, :, kb:s] += dprefix_key
-                    dvalue[:, :, kb:s] += dprefix_value
+                if dprefix_key is not None:  # the single-SDPA path returns them instead of sinking them
+                    sink.add(kb, s, dprefix_key, dprefix_value)
                 del dprefix_key, dprefix_value
             grads.add(g)
             del out_c, key_c, value_c, g

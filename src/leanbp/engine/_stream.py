@@ -31,7 +31,7 @@ class StreamConfig:
     """
 
     chunk_size: int = 1024
-    head_chunk_size: int = 512
+    head_chunk_size: int = 256
     layers: bool = True
 
     def __post_init__(self):
@@ -53,7 +53,7 @@ def is_streamed(model: nn.Module) -> bool:
     return "_leanbp_stream" in vars(model)
 
 
-def stream(model: nn.Module, chunk_size: int = 1024, head_chunk_size: int = 512, layers: bool = True) -> nn.Module:
+def stream(model: nn.Module, chunk_size: int = 1024, head_chunk_size: int = 256, layers: bool = True) -> nn.Module:
     """Make ``model(input_ids, labels=...)`` + ``loss.backward()`` run exact StreamBP.
 
     Only calls with ``labels`` are streamed (they return ``loss`` and ``logits=None``); calls
@@ -198,10 +198,11 @@ def _streamed_forward(
         )
         hidden = StreamedLayerFunction.apply(hidden, run, *_trainable(layer, state.layer_param_names[i]))
 
-    return _loss_output(self, state, hidden, adapter.final_norm(), labels, num_items_in_batch)
+    # the last layer's output is read by the head only: its buffer can hold the head's input gradient
+    return _loss_output(self, state, hidden, adapter.final_norm(), labels, num_items_in_batch, input_is_scratch=True)
 
 
-def _loss_output(model, state: _StreamState, hidden, norm, labels, num_items_in_batch):
+def _loss_output(model, state: _StreamState, hidden, norm, labels, num_items_in_batch, input_is_scratch=False):
     """The chunked head + loss on the last decoder output (B, T, H)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -222,6 +223,7 @@ def _loss_output(model, state: _StreamState, hidden, norm, labels, num_items_in_
         chunk_size=state.config.head_chunk_size,
         autocast=AutocastState(hidden.device.type),
         grad_enabled=torch.is_grad_enabled(),
+        input_is_scratch=input_is_scratch,
     )
     loss = ChunkedHeadLossFunction.apply(hidden, head, *_trainable(model, state.head_param_names))
     return CausalLMOutputWithPast(loss=loss, logits=None)

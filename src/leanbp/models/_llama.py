@@ -17,7 +17,7 @@ import sys
 import torch
 from torch import nn
 
-from ..engine._attention import ChunkMasks, chunk_attention
+from ..engine._attention import ChunkMasks, PrefixGradSink, chunk_attention
 
 
 class LlamaFamilyAdapter:
@@ -86,9 +86,11 @@ class LlamaFamilyAdapter:
         cos: torch.Tensor,
         sin: torch.Tensor,
         masks: ChunkMasks,
+        sink: PrefixGradSink | None = None,
     ):
         """The layer for a chunk of rows: hidden (B, c, H); prefix_key/value (B, Hkv, p, D) are the
-        visible rows before the chunk (None when there are none).
+        visible rows before the chunk (None when there are none); ``sink`` collects their K/V
+        gradients in backward (see ``chunk_attention``).
 
         Returns (output (B, c, H), the chunk's own key and value (B, Hkv, c, D)). The chunk's K/V are
         computed here from the same normed rows as its queries, so a backward through this call
@@ -101,7 +103,7 @@ class LlamaFamilyAdapter:
             query = attn.q_norm(query)
         query = self._rope(query.transpose(1, 2), cos, sin)  # (B, Hq, c, D)
         key_c, value_c = self._key_value_from_normed(attn, x, cos, sin)  # (B, Hkv, c, D)
-        out = chunk_attention(query, prefix_key, prefix_value, key_c, value_c, masks, attn.scaling)  # (B, Hq, c, D)
+        out = chunk_attention(query, prefix_key, prefix_value, key_c, value_c, masks, attn.scaling, sink)
         out = out.transpose(1, 2).reshape(*hidden.shape[:-1], -1)  # (B, c, Hq*D)
         hidden = hidden + attn.o_proj(out)
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden)), key_c, value_c
