@@ -101,22 +101,18 @@ SHAPES = [((7,), False), ((5, 9), False), ((5, 9), True), ((2, 3, 16), False), (
           ((2, 3, 4, 33), False), ((2, 3, 4, 33), True)]
 
 
-@pytest.mark.parametrize("shape,transpose", SHAPES)
-def test_ms_layer_norm_matches_torch(shape, transpose):
-    x = _inputs(shape, transpose)
-    g = torch.randn(shape, dtype=torch.float64)
-    ref = _grad(lambda t: F.layer_norm(t, (shape[-1],), eps=1e-5) * g, x)
-    got = _grad(lambda t: MSLayerNorm(1e-5)(t) * g, x)
-    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(MSLayerNorm(1e-5)(x), F.layer_norm(x, (shape[-1],), eps=1e-5), rtol=1e-12, atol=1e-12)
+NORMS = [(MSLayerNorm(1e-5), lambda t: F.layer_norm(t, (t.shape[-1],), eps=1e-5)),
+         (MSRMSNorm(1e-6), lambda t: F.rms_norm(t, (t.shape[-1],), eps=1e-6))]
 
 
+@pytest.mark.parametrize("norm,reference", NORMS, ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("shape,transpose", SHAPES)
-def test_ms_rms_norm_matches_torch(shape, transpose):
+def test_ms_norms_match_torch(norm, reference, shape, transpose):
     x = _inputs(shape, transpose)
     g = torch.randn(shape, dtype=torch.float64)
-    ref = _grad(lambda t: F.rms_norm(t, (shape[-1],), eps=1e-6) * g, x)
-    got = _grad(lambda t: MSRMSNorm(1e-6)(t) * g, x)
+    torch.testing.assert_close(norm(x), reference(x), rtol=1e-12, atol=1e-12)
+    ref = _grad(lambda t: reference(t) * g, x)
+    got = _grad(lambda t: norm(t) * g, x)
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
 
 

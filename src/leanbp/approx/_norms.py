@@ -68,29 +68,33 @@ def ms_rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return _MSNormFunction.apply(x, eps, False)
 
 
-class MSLayerNorm(nn.Module):
+class _MSNorm(nn.Module):
+    center: bool
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _MSNormFunction.apply(x, self.eps, self.center)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}"
+
+
+class MSLayerNorm(_MSNorm):
     """LayerNorm without affine whose backward needs only its output and a per-row rstd."""
 
+    center = True
+
     def __init__(self, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ms_layer_norm(x, self.eps)
-
-    def extra_repr(self) -> str:
-        return f"eps={self.eps}"
+        super().__init__(eps)
 
 
-class MSRMSNorm(nn.Module):
+class MSRMSNorm(_MSNorm):
     """RMSNorm without affine whose backward needs only its output and a per-row rstd."""
 
+    center = False
+
     def __init__(self, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ms_rms_norm(x, self.eps)
-
-    def extra_repr(self) -> str:
-        return f"eps={self.eps}"
+        super().__init__(eps)
