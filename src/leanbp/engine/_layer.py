@@ -104,7 +104,8 @@ class StreamedLayerFunction(torch.autograd.Function):
             hidden_c = hidden[:, s:e].detach().requires_grad_(need_input)
             prefix_key = prefix_value = None
             if s > kb:
-                # leaves, so that their gradients come back as (B, Hkv, s - kb, D), not T rows
+                # leaves of the visible prefix rows; their gradients go into the sink (or come back
+                # as (B, Hkv, s - kb, D) on the single-SDPA path), never as T-row tensors
                 prefix_key = key[:, :, kb:s].detach().requires_grad_()
                 prefix_value = value[:, :, kb:s].detach().requires_grad_()
             with torch.enable_grad(), run.autocast():
