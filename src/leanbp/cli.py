@@ -49,7 +49,9 @@ def _add_bench(sub):
                                       "approx: 512,1024,2048)")
     p.add_argument("--methods", default="plain,ckpt,leanbp", help="stream suite: comma-separated plain, ckpt, leanbp")
     p.add_argument("--batch", type=int, help="batch size (stream: 1, approx: 4)")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "autocast"],
+                   help="stream suite: fp32 (default) or bf16; approx suite: autocast (default: fp32 parameters, "
+                        "bf16 compute) or fp32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--chunk-size", type=int, default=StreamConfig.chunk_size)
     p.add_argument("--head-chunk-size", type=int, default=StreamConfig.head_chunk_size)
@@ -91,12 +93,13 @@ def _bench(args) -> int:
     seq_lens = [int(x) for x in args.seq_lens.split(",")] if args.seq_lens else None
     if args.suite == "approx":
         case = ApproxBenchCase(**({"seq_lens": seq_lens} if seq_lens else {}),
-                               **({"batch": args.batch} if args.batch else {}))
+                               **({"batch": args.batch} if args.batch else {}),
+                               **({"dtype": args.dtype} if args.dtype else {}))
         print(format_approx_table(run_approx_bench(case, args.out)))
         print(f"\nwrote {args.out}/bench_approx.csv, bench_approx.json")
         return 0
     case = BenchCase(**({"seq_lens": seq_lens} if seq_lens else {}), methods=args.methods.split(","),
-                     batch=args.batch or 1, dtype=args.dtype, device=args.device, chunk_size=args.chunk_size,
+                     batch=args.batch or 1, dtype=args.dtype or "fp32", device=args.device, chunk_size=args.chunk_size,
                      head_chunk_size=args.head_chunk_size)
     rows = run_bench(case, args.out)
     print(format_table(rows))

@@ -36,7 +36,7 @@ def build_case_model(spec: dict):
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
     if variant not in APPROX:
         raise ValueError(f"unknown approx {variant!r}; choose from {APPROX}")
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.get("dtype", "fp32")]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "autocast": torch.float32}[spec.get("dtype", "fp32")]
     T = spec["seq_len"]
     if spec.get("model", "qwen3") == "llama":
         config = transformers.LlamaConfig(**BENCH_LLAMA, max_position_embeddings=max(T, 2048),
@@ -69,8 +69,12 @@ def run_case(spec: dict) -> dict:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (B, T), generator=gen).to(device)
 
+    # "autocast": fp32 parameters, bf16 compute (mixed precision, as in most fine-tuning)
+    use_autocast = spec.get("dtype") == "autocast"
+
     def step():
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         return loss.item()
 
@@ -83,12 +87,16 @@ def run_case(spec: dict) -> dict:
     with memory.track(model, device=device) as mem:
         loss = step()
     model.zero_grad(set_to_none=False)
-    # step 2: time, with nothing watching
-    _sync(device)
-    t0 = time.perf_counter()
-    step()
-    _sync(device)
-    seconds = time.perf_counter() - t0
+    # then time, with nothing watching: the median of `timed_steps` steps
+    times = []
+    for _ in range(spec.get("timed_steps", 1)):
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=False)
+    seconds = sorted(times)[len(times) // 2]
     r = mem.report
     return {**spec, "loss": loss, "peak": r.peak, "params": r.params, "grads": r.grads,
             "activations": r.activations, "step_s": seconds}

@@ -70,20 +70,25 @@ class ApproxBenchCase:
     """Approx-BP / MS-BP rows: Llama-shaped model, no checkpointing, exact vs approximations.
 
     Every row uses leanbp's chunked LM-head loss on transformers' own decoder (``method="head"``),
-    so the full logits, identical in every row, do not mask the layers' activation memory."""
+    so the full logits, identical in every row, do not mask the layers' activation memory.
+    ``dtype="autocast"`` is mixed precision (fp32 parameters, bf16 compute), the usual fine-tuning
+    setup; step time is the median of ``timed_steps`` steps."""
 
     seq_lens: list[int] = field(default_factory=lambda: [512, 1024, 2048])
     variants: list[str] = field(default_factory=lambda: ["none", "act", "norm", "both"])
     lora: list[bool] = field(default_factory=lambda: [False, True])
     batch: int = 4
     method: str = "head"
+    dtype: str = "autocast"
+    timed_steps: int = 3
     timeout_s: int = 3600
 
 
 def run_approx_bench(case: ApproxBenchCase, out_dir: str | Path, progress: bool = True) -> list[dict]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    specs = [{"model": "llama", "method": case.method, "approx": v, "lora": lora, "seq_len": T, "batch": case.batch}
+    specs = [{"model": "llama", "method": case.method, "approx": v, "lora": lora, "seq_len": T, "batch": case.batch,
+              "dtype": case.dtype, "timed_steps": case.timed_steps}
              for lora in case.lora for T in case.seq_lens for v in case.variants]
     rows = []
     bar = tqdm(specs, desc="bench approx", disable=not progress, unit="case")
