@@ -9,7 +9,8 @@ The constants (REFERENCES.md §2) fit the *function* (three shifted ReLUs), so t
 approximation: opt in, and say so wherever it is used.
 
 Three layers, as everywhere in leanbp: plain functions (``*_forward`` / ``*_backward``), a thin
-autograd Function, and an nn.Module with a functional alias.
+autograd Function, and an nn.Module with a functional alias. The plain functions are the CPU path
+and the oracle of the Triton kernels (``leanbp.kernels._approx_act``) used for CUDA tensors.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..kernels import use_triton
 
 
 @dataclass(frozen=True)
@@ -84,14 +87,20 @@ def approx_act_forward(kind: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.
 def approx_act_backward(kind: str, grad_out: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     consts = REGELU2 if kind == "gelu" else RESILU2
     codes = unpack_2bit(packed, grad_out.numel()).view(grad_out.shape)
-    return grad_out * step_derivative(codes, consts, grad_out.dtype)
+    acc = torch.promote_types(grad_out.dtype, torch.float32)  # levels are not rounded to bf16 first
+    return (grad_out.to(acc) * step_derivative(codes, consts, acc)).to(grad_out.dtype)
 
 
 # -- autograd Function ------------------------------------------------------------------------
 class _ApproxActFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, kind: str) -> torch.Tensor:
-        y, packed = approx_act_forward(kind, x)
+        if use_triton(x):
+            from ..kernels import _approx_act
+
+            y, packed = _approx_act.approx_act_forward(kind, x, REGELU2 if kind == "gelu" else RESILU2)
+        else:
+            y, packed = approx_act_forward(kind, x)
         ctx.kind = kind
         ctx.save_for_backward(packed)  # Memory: 2 bits per element instead of x itself
         return y
@@ -99,6 +108,11 @@ class _ApproxActFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         (packed,) = ctx.saved_tensors
+        if use_triton(grad_out):
+            from ..kernels import _approx_act
+
+            consts = REGELU2 if ctx.kind == "gelu" else RESILU2
+            return _approx_act.approx_act_backward(grad_out, packed, consts), None
         return approx_act_backward(ctx.kind, grad_out.contiguous(), packed), None
 
 

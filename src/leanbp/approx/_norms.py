@@ -8,12 +8,17 @@ linear save a copy and silently lose the sharing.
 
 LN:  y = (x - mean) * rstd,  dx = rstd * (g - mean(g) - y * mean(g * y))
 RMS: y = x * rstd,           dx = rstd * (g - y * mean(g * y))
+
+The plain functions are the CPU path and the oracle of the Triton kernels
+(``leanbp.kernels._ms_norm``) used for CUDA tensors.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from ..kernels import use_triton
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -48,7 +53,12 @@ def ms_norm_backward(grad_y: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, 
 class _MSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, eps: float, center: bool) -> torch.Tensor:
-        y, rstd = ms_norm_forward(x, eps, center)
+        if use_triton(x):
+            from ..kernels import _ms_norm
+
+            y, rstd = _ms_norm.ms_norm_forward(x, eps, center, _output_dtype(x))
+        else:
+            y, rstd = ms_norm_forward(x, eps, center)
         # Memory: the output (shared with the next linear) and one rstd per row, never x
         ctx.save_for_backward(y, rstd)
         ctx.center, ctx.input_dtype = center, x.dtype
@@ -57,6 +67,10 @@ class _MSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         y, rstd = ctx.saved_tensors
+        if use_triton(grad_y):
+            from ..kernels import _ms_norm
+
+            return _ms_norm.ms_norm_backward(grad_y, y, rstd, ctx.center, ctx.input_dtype), None, None
         return ms_norm_backward(grad_y, y, rstd, ctx.center, ctx.input_dtype), None, None
 
 

@@ -1,0 +1,51 @@
+"""Triton kernels against their PyTorch references, on CPU tensors under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from leanbp.approx import _activations as act_ref  # noqa: E402
+from leanbp.approx import _norms as norm_ref  # noqa: E402
+from leanbp.kernels import _approx_act, _ms_norm  # noqa: E402
+
+
+@pytest.mark.parametrize("kind,consts", [("gelu", act_ref.REGELU2), ("silu", act_ref.RESILU2)])
+@pytest.mark.parametrize("n", [1, 5, 1024, 2051])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_approx_activation_kernels_match_reference(kind, consts, n, dtype):
+    x = (torch.randn(n) * 4).to(dtype)
+    # thresholds themselves: strict > in both
+    x[: min(n, 3)] = torch.tensor(consts.c[: min(n, 3)], dtype=dtype)
+    y, packed = _approx_act.approx_act_forward(kind, x, consts)
+    y_ref, packed_ref = act_ref.approx_act_forward(kind, x)
+    assert torch.equal(packed, packed_ref)  # the same codes, bit for bit
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol)
+    g = torch.randn(n).to(dtype)
+    # fp32: identical; bf16: both round the same fp32 product, within one bf16 rounding step
+    rtol = 0 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(_approx_act.approx_act_backward(g, packed, consts),
+                               act_ref.approx_act_backward(kind, g, packed_ref), rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize("center", [True, False])
+@pytest.mark.parametrize("shape", [(7,), (3, 5, 33), (4, 64)])
+def test_ms_norm_kernels_match_reference(center, shape):
+    x = torch.randn(shape) * 3 + 1
+    y, rstd = _ms_norm.ms_norm_forward(x, 1e-5, center, torch.float32)
+    y_ref, rstd_ref = norm_ref.ms_norm_forward(x, 1e-5, center)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rstd, rstd_ref, rtol=1e-5, atol=1e-6)
+    g = torch.randn(shape)
+    torch.testing.assert_close(_ms_norm.ms_norm_backward(g, y, rstd, center, torch.float32),
+                               norm_ref.ms_norm_backward(g, y_ref, rstd_ref, center, torch.float32),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_tensors_use_the_reference_path():
+    from leanbp.kernels import use_triton
+
+    assert not use_triton(torch.randn(3))
