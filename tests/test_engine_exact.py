@@ -118,3 +118,19 @@ def test_head_only_mode_composes_with_gradient_checkpointing():
     model = tiny_model("llama")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert_exact(*compare_step(model, dict(head_chunk_size=7, layers=False), make_batch()))
+
+
+def test_head_that_is_not_a_plain_linear_goes_through_autograd():
+    """A wrapped head (as PEFT wraps one) takes the generic per-chunk autograd path; still exact."""
+
+    class WrappedHead(torch.nn.Module):
+        def __init__(self, linear):
+            super().__init__()
+            self.linear = linear
+
+        def forward(self, x):
+            return self.linear(x)
+
+    model = tiny_model("qwen2")
+    model.lm_head = WrappedHead(model.lm_head)
+    assert_exact(*compare_step(model, dict(chunk_size=8, head_chunk_size=6), make_batch(), embeds=True))

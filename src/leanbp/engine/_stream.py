@@ -199,7 +199,9 @@ def _streamed_forward(
         hidden = StreamedLayerFunction.apply(hidden, run, *_trainable(layer, state.layer_param_names[i]))
 
     # the last layer's output is read by the head only: its buffer can hold the head's input gradient
-    return _loss_output(self, state, hidden, adapter.final_norm(), labels, num_items_in_batch, input_is_scratch=True)
+    # (never the caller's inputs_embeds, which a model without layers would pass straight through)
+    return _loss_output(self, state, hidden, adapter.final_norm(), labels, num_items_in_batch,
+                        input_is_scratch=len(adapter.layers()) > 0)
 
 
 def _loss_output(model, state: _StreamState, hidden, norm, labels, num_items_in_batch, input_is_scratch=False):
