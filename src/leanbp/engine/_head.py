@@ -71,8 +71,7 @@ def _fused_chunk(run: HeadRun, rows, targets, inputs, want_grad, head_grads):
         normed = run.norm(rows)  # (n, H), graph kept for its backward
         with torch.no_grad():
             logits = F.linear(normed, head.weight, head.bias)  # (n, V)
-    logits_dtype = logits.dtype
-    acc = logits.to(torch.promote_types(logits_dtype, torch.float32))  # no copy unless bf16/fp16
+    acc = logits.to(torch.promote_types(logits.dtype, torch.float32))  # no copy unless bf16/fp16
     del logits
     lse = torch.logsumexp(acc, dim=-1)  # (n,)
     picked = acc.gather(1, targets[:, None]).squeeze(1)
@@ -82,18 +81,21 @@ def _fused_chunk(run: HeadRun, rows, targets, inputs, want_grad, head_grads):
     # d(sum CE)/dlogits = softmax - onehot, computed in the logits buffer itself
     acc.sub_(lse[:, None]).exp_()
     acc[torch.arange(acc.shape[0], device=acc.device), targets] -= 1
-    dlogits = acc.to(logits_dtype)  # the dtype autograd would hand to the head's matmuls
+    # the backward matmuls run in the weight's dtype: under autocast (fp32 weight, bf16 logits)
+    # that avoids a bf16 copy of the (V, H) weight per chunk and is more precise
+    grad_dtype = head.weight.dtype
+    dlogits = acc.to(grad_dtype)
     del acc
-    x = normed.detach().to(logits_dtype)
+    x = normed.detach().to(grad_dtype)
     if "weight" in head_grads:
         w_grad = head_grads["weight"]
-        if w_grad.dtype == logits_dtype:
+        if w_grad.dtype == grad_dtype:
             w_grad.addmm_(dlogits.T, x)  # (V, H), in place: no temporary
         else:
-            w_grad.add_(dlogits.T @ x)  # low-precision logits: a (V, H) temporary summed in fp32
+            w_grad.add_(dlogits.T @ x)  # low-precision weight: a (V, H) temporary summed in fp32
     if "bias" in head_grads:
         head_grads["bias"].add_(dlogits.sum(0))
-    dnormed = (dlogits @ head.weight.to(logits_dtype)).to(normed.dtype)  # (n, H)
+    dnormed = (dlogits @ head.weight).to(normed.dtype)  # (n, H)
     del dlogits
     norm_inputs = [t for t in inputs if t is not head.weight and t is not head.bias]
     norm_grads = torch.autograd.grad(normed, norm_inputs, dnormed, allow_unused=True) if norm_inputs else []
