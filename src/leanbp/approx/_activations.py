@@ -67,12 +67,6 @@ def step_codes(x: torch.Tensor, consts: StepConstants) -> torch.Tensor:
     return (x > c0).to(torch.uint8) + (x > c1).to(torch.uint8) + (x > c2).to(torch.uint8)
 
 
-def step_derivative(codes: torch.Tensor, consts: StepConstants, dtype: torch.dtype) -> torch.Tensor:
-    """level[code] for every code."""
-    levels = torch.tensor(consts.levels, dtype=dtype, device=codes.device)
-    return levels[codes.long()]
-
-
 # -- plain forward / backward -----------------------------------------------------------------
 def _exact(kind: str, x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x) if kind == "gelu" else F.silu(x)
@@ -87,8 +81,14 @@ def approx_act_forward(kind: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.
 def approx_act_backward(kind: str, grad_out: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     consts = REGELU2 if kind == "gelu" else RESILU2
     codes = unpack_2bit(packed, grad_out.numel()).view(grad_out.shape)
-    acc = torch.promote_types(grad_out.dtype, torch.float32)  # levels are not rounded to bf16 first
-    return (grad_out.to(acc) * step_derivative(codes, consts, acc)).to(grad_out.dtype)
+    # Memory: the derivative is built in one buffer with masked fills (no int64 index tensor, no
+    # gathered copy), in fp32 for low-precision grads so the levels are not rounded first
+    deriv = torch.zeros(grad_out.shape, dtype=torch.promote_types(grad_out.dtype, torch.float32),
+                        device=grad_out.device)
+    for code, level in enumerate(consts.levels[1:], start=1):
+        deriv.masked_fill_(codes == code, level)
+    del codes
+    return deriv.mul_(grad_out).to(grad_out.dtype)
 
 
 # -- autograd Function ------------------------------------------------------------------------
