@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import copy
 
 import torch
 
-from leanbp._verify_utils import full_precision_norms, reference_causal_lm_loss, relative_errors
+from leanbp._verify_utils import relative_errors, streamed_vs_plain
 
 
 def make_batch(B=3, T=45, vocab=101, padding="left", prompt=13, seed=1):
@@ -32,24 +31,14 @@ def compare_step(model, stream_kwargs, batch, embeds=False, num_items_in_batch=N
     """Loss, input gradient and all parameter gradients of leanbp vs plain autograd (float64 norms).
 
     Returns (loss error, input-gradient relative error, {param: relative error})."""
-    import leanbp
-
     ids, mask, labels = batch
-    ref = copy.deepcopy(model)
-    with full_precision_norms(ref, model):
-        kw = dict(attention_mask=mask)
-        ref_in = model_in = None
-        if embeds:
-            ref_in = ref.get_input_embeddings()(ids).detach().requires_grad_()
-            model_in = ref_in.detach().clone().requires_grad_()
-            ref_kw, model_kw = dict(kw, inputs_embeds=ref_in), dict(kw, inputs_embeds=model_in)
-        else:
-            ref_kw = model_kw = dict(kw, input_ids=ids)
-        ref_loss = reference_causal_lm_loss(ref, labels, num_items_in_batch=num_items_in_batch, **ref_kw)
-        ref_loss.backward()
-        leanbp.stream(model, **stream_kwargs)
-        loss = model(labels=labels, num_items_in_batch=num_items_in_batch, **model_kw).loss
-        loss.backward()
+    ref_inputs = inputs = dict(attention_mask=mask, input_ids=ids)
+    if embeds:
+        ref_in = model.get_input_embeddings()(ids).detach().requires_grad_()
+        model_in = ref_in.detach().clone().requires_grad_()
+        ref_inputs, inputs = dict(attention_mask=mask, inputs_embeds=ref_in), dict(attention_mask=mask, inputs_embeds=model_in)
+    ref, ref_loss, loss = streamed_vs_plain(model, labels, inputs, stream_kwargs, ref_inputs=ref_inputs,
+                                            num_items_in_batch=num_items_in_batch)
     loss_err = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
     input_err = None
     if embeds:

@@ -143,15 +143,12 @@ def test_frozen_consumers_cannot_share():
 
 def test_approx_composes_with_stream():
     """A streamed + approximated model gives exactly the approximated model's plain-autograd gradients."""
-    from leanbp._verify_utils import full_precision_norms, reference_causal_lm_loss, relative_errors
+    from leanbp._verify_utils import relative_errors, streamed_vs_plain
 
     model = approx(tiny_model("qwen3"))
-    ref = copy.deepcopy(model)
     ids, mask, labels = make_batch(padding="left")
-    with full_precision_norms(ref, model):
-        reference_causal_lm_loss(ref, labels, input_ids=ids, attention_mask=mask).backward()
-        leanbp.stream(model, chunk_size=7, head_chunk_size=5)
-        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    ref, _, _ = streamed_vs_plain(model, labels, dict(input_ids=ids, attention_mask=mask),
+                                  dict(chunk_size=7, head_chunk_size=5))
     errs = relative_errors(ref, model)
     assert errs and max(errs.values()) <= 1e-12
 

@@ -139,11 +139,7 @@ def test_head_that_is_not_a_plain_linear_goes_through_autograd():
 def test_peft_lora_model_streams_exactly():
     """PEFT first, then stream the wrapped transformers model: LoRA gradients match plain autograd."""
     peft = pytest.importorskip("peft")
-    import copy
-
-    from leanbp._verify_utils import full_precision_norms, reference_causal_lm_loss, relative_errors
-
-    import leanbp
+    from leanbp._verify_utils import relative_errors, streamed_vs_plain
 
     base = tiny_model("qwen3")
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
@@ -151,12 +147,9 @@ def test_peft_lora_model_streams_exactly():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)
-    ref = copy.deepcopy(model)
     ids, mask, labels = make_batch(padding="left")
-    with full_precision_norms(ref, model):
-        reference_causal_lm_loss(ref, labels, input_ids=ids, attention_mask=mask).backward()
-        leanbp.stream(model.base_model.model, chunk_size=7, head_chunk_size=5)
-        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    ref, _, _ = streamed_vs_plain(model, labels, dict(input_ids=ids, attention_mask=mask),
+                                  dict(chunk_size=7, head_chunk_size=5), stream_target=model.base_model.model)
     errs = relative_errors(ref, model)
     assert errs and all("lora" in n for n in errs)
     assert max(errs.values()) <= 1e-12

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import copy
 import re
 
 import torch
 
-from ._verify_utils import full_precision_norms, reference_causal_lm_loss, relative_errors
-from .engine import stream
+from ._verify_utils import relative_errors, streamed_vs_plain
 
 _GROUPS = (
     ("embedding", r"embed_tokens"),
@@ -42,13 +40,9 @@ def verify(model, seq_len: int = 96, batch: int = 3, chunk_size: int = 17, head_
         mask[b, : (b * 7) % max(1, seq_len // 3)] = 0  # left padding of different lengths
     labels = ids.masked_fill(mask == 0, -100)
     labels[:, : seq_len // 4 + 3] = -100  # a prompt whose end falls inside a chunk
-    reference = copy.deepcopy(model)
-    with full_precision_norms(reference, model):
-        ref_loss = reference_causal_lm_loss(reference, labels, input_ids=ids, attention_mask=mask)
-        ref_loss.backward()
-        stream(model, chunk_size=chunk_size, head_chunk_size=head_chunk_size)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
+    reference, ref_loss, loss = streamed_vs_plain(
+        model, labels, dict(input_ids=ids, attention_mask=mask),
+        dict(chunk_size=chunk_size, head_chunk_size=head_chunk_size))
     params = relative_errors(reference, model)
     groups: dict[str, float] = {}
     for name, err in params.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import types
 
 import torch
@@ -47,6 +48,27 @@ def reference_causal_lm_loss(model: nn.Module, labels: torch.Tensor, num_items_i
     reduction = "sum" if num_items_in_batch is not None else "mean"
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=reduction)
     return loss / num_items_in_batch if num_items_in_batch is not None else loss
+
+
+def streamed_vs_plain(model: nn.Module, labels: torch.Tensor, inputs: dict, stream_kwargs: dict | None = None,
+                      ref_inputs: dict | None = None, num_items_in_batch=None, stream_target: nn.Module | None = None):
+    """One float64 step of a deep copy of ``model`` with plain autograd and of ``model`` streamed
+    (``stream_target``, default the model itself, is what gets streamed, e.g. the transformers
+    model inside a PEFT wrapper), both with float64-preserving norms.
+
+    Returns (reference model, reference loss, streamed loss); gradients are left on both models.
+    ``ref_inputs`` lets the reference take its own leaf tensors (to compare input gradients)."""
+    from .engine import stream
+
+    reference = copy.deepcopy(model)
+    with full_precision_norms(reference, model):
+        ref_loss = reference_causal_lm_loss(reference, labels, num_items_in_batch=num_items_in_batch,
+                                            **(ref_inputs if ref_inputs is not None else inputs))
+        ref_loss.backward()
+        stream(stream_target if stream_target is not None else model, **(stream_kwargs or {}))
+        loss = model(labels=labels, num_items_in_batch=num_items_in_batch, **inputs).loss
+        loss.backward()
+    return reference, ref_loss, loss
 
 
 def relative_errors(reference: nn.Module, candidate: nn.Module) -> dict[str, float]:
