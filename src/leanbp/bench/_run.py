@@ -58,7 +58,7 @@ def run_bench(case: BenchCase, out_dir: str | Path, progress: bool = True) -> li
     for spec in bar:
         bar.set_postfix_str(f"{spec['method']} T={spec['seq_len']}")
         rows.append(_run_one(spec, case.timeout_s))
-    _add_ratios(rows)
+    _add_ratios(rows, "ckpt", is_base=lambda r: r["method"] == "ckpt", group=lambda r: r["seq_len"])
     write_csv(rows, out_dir / "bench.csv")
     (out_dir / "bench.json").write_text(json.dumps({"case": asdict(case), "rows": rows}, indent=1))
     plot(rows, out_dir / "bench.png")
@@ -95,12 +95,7 @@ def run_approx_bench(case: ApproxBenchCase, out_dir: str | Path, progress: bool 
     for spec in bar:
         bar.set_postfix_str(f"{'lora' if spec['lora'] else 'full'} T={spec['seq_len']} {spec['approx']}")
         rows.append(_run_one(spec, case.timeout_s))
-    exact = {(r["lora"], r["seq_len"]): r for r in rows if r["approx"] == "none" and "error" not in r}
-    for r in rows:
-        base = exact.get((r["lora"], r["seq_len"]))
-        if base is not None and "error" not in r:
-            r["act_vs_exact"] = r["activations"] / base["activations"]
-            r["time_vs_exact"] = r["step_s"] / base["step_s"]
+    _add_ratios(rows, "exact", is_base=lambda r: r["approx"] == "none", group=lambda r: (r["lora"], r["seq_len"]))
     (out_dir / "bench_approx.json").write_text(json.dumps({"case": asdict(case), "rows": rows}, indent=1))
     with open(out_dir / "bench_approx.csv", "w", newline="") as f:
         w = csv.writer(f)
@@ -131,15 +126,16 @@ def format_approx_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _add_ratios(rows: list[dict]) -> None:
-    """Each row's activation memory and time relative to gradient checkpointing at the same T."""
-    ckpt = {r["seq_len"]: r for r in rows if r["method"] == "ckpt" and "error" not in r}
+def _add_ratios(rows: list[dict], name: str, is_base, group) -> None:
+    """Each row's activation memory and time relative to the baseline row of its group, as
+    ``act_vs_<name>`` and ``time_vs_<name>`` (rows without a successful baseline get none)."""
+    bases = {group(r): r for r in rows if is_base(r) and "error" not in r}
     for r in rows:
-        base = ckpt.get(r["seq_len"])
+        base = bases.get(group(r))
         if base is None or "error" in r:
             continue
-        r["act_vs_ckpt"] = r["activations"] / base["activations"]
-        r["time_vs_ckpt"] = r["step_s"] / base["step_s"]
+        r[f"act_vs_{name}"] = r["activations"] / base["activations"]
+        r[f"time_vs_{name}"] = r["step_s"] / base["step_s"]
 
 
 COLUMNS = ["method", "seq_len", "peak_mib", "params_mib", "grads_mib", "act_mib", "step_s",
