@@ -216,8 +216,6 @@ def approx(model: nn.Module, activations: bool = True, norms: bool = True) -> nn
 
     Families: Llama, Mistral, Qwen2, Qwen3 (pre-RMSNorm), ViT (pre-LayerNorm), BERT and RoBERTa
     (post-LayerNorm: the residual branch gets gamma and beta back)."""
-    from ..engine import is_streamed, stream, unstream
-
     if is_approximated(model):
         raise ValueError("model is already approximated; call leanbp.unapprox(model) first")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -225,10 +223,6 @@ def approx(model: nn.Module, activations: bool = True, norms: bool = True) -> nn
         raise NotImplementedError(
             f"leanbp.approx has no recipe for model_type={model_type!r}; supported: {', '.join(sorted(_RECIPES))}"
         )
-    restream = None
-    if is_streamed(model):  # the engine records parameter names; re-stream after the norms change
-        restream = model._leanbp_stream.config
-        unstream(model)
     state = _ApproxState(activations=activations, norms=norms)
     names = {m: n for n, m in model.named_modules()}
     sites, act_owners = _RECIPES[model_type](model, state.notes)
@@ -245,21 +239,13 @@ def approx(model: nn.Module, activations: bool = True, norms: bool = True) -> nn
             _fold_norm(state, names, site)
     model._leanbp_approx = state
     model.save_pretrained = types.MethodType(_save_pretrained_unfolded, model)
-    if restream is not None:
-        stream(model, chunk_size=restream.chunk_size, head_chunk_size=restream.head_chunk_size,
-               layers=restream.layers)
-    return model
+    return model  # a streamed model sees the new modules: it looks them up on every call
 
 
 def unapprox(model: nn.Module) -> nn.Module:
     """Undo :func:`approx`: original activations and norms, weights unfolded."""
-    from ..engine import is_streamed, stream, unstream
-
     if not is_approximated(model):
         raise ValueError("model is not approximated")
-    restream = model._leanbp_stream.config if is_streamed(model) else None
-    if restream is not None:
-        unstream(model)
     state: _ApproxState = vars(model).pop("_leanbp_approx")
     del model.save_pretrained
     with torch.no_grad():
@@ -275,9 +261,6 @@ def unapprox(model: nn.Module) -> nn.Module:
         setattr(owner, attr, act)
     for linear in state.lora_casts:
         linear.cast_input_dtype_enabled = True
-    if restream is not None:
-        stream(model, chunk_size=restream.chunk_size, head_chunk_size=restream.head_chunk_size,
-               layers=restream.layers)
     return model
 
 

@@ -14,10 +14,18 @@ are merged with their log-sum-exps. Backward runs the kernel's backward once per
 *merged* output and log-sum-exp, which gives each block's exact share of the gradient.
 On other devices (or with ``LEANBP_ATTENTION=mask``) a single SDPA call with a boolean
 (B, 1, c, kv) mask is used instead.
+
+Packed rows (several documents in one row, each attending only to itself, as transformers does
+when ``position_ids`` restart and there is no attention mask) need no mask either: a chunk splits
+at its document boundaries into segments, and each segment is the case above. Only the first
+segment continues a document from before the chunk, so only it has a prefix, and that prefix
+starts at its document's first row (rows of a batch whose document starts later mask the keys
+before it, like padding).
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass
 
@@ -32,6 +40,39 @@ def key_start(start: int, window: int | None) -> int:
     return max(0, start - window + 1)
 
 
+class Documents:
+    """Where the documents of packed rows start: transformers' rule, a new document wherever
+    ``position_ids`` does not increase by exactly 1 (``find_packed_sequence_indices``).
+
+    The starts are read to the host once per forward (every chunk of every layer needs them as
+    Python ints to pick its key range and segments)."""
+
+    def __init__(self, position_ids: torch.Tensor, batch: int):
+        position_ids = position_ids.expand(batch, -1)  # (B, T)
+        new_doc = torch.ones_like(position_ids, dtype=torch.bool)
+        new_doc[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
+        self.doc_id = new_doc.cumsum(-1)  # (B, T): equal ids = same document
+        self.starts: list[list[int]] = [torch.nonzero(row).flatten().tolist() for row in new_doc.cpu()]
+
+    @staticmethod
+    def from_position_ids(position_ids: torch.Tensor | None, batch: int) -> "Documents | None":
+        """None unless some row holds more than one document."""
+        if position_ids is None or position_ids.shape[-1] < 2:
+            return None
+        docs = Documents(position_ids, batch)
+        return docs if any(len(s) > 1 for s in docs.starts) else None
+
+    def start_of(self, b: int, row: int) -> int:
+        """First row of the document that holds ``row`` in batch row ``b``."""
+        starts = self.starts[b]
+        return starts[bisect.bisect_right(starts, row) - 1]
+
+    def splits(self, b: int, start: int, end: int) -> list[int]:
+        """Document starts strictly inside (start, end) in batch row ``b``."""
+        starts = self.starts[b]
+        return starts[bisect.bisect_right(starts, start): bisect.bisect_left(starts, end)]
+
+
 @dataclass
 class ChunkMasks:
     """Masks of one chunk [start, end) with visible keys [key_begin, end); True = may attend."""
@@ -42,6 +83,26 @@ class ChunkMasks:
     window: int | None
     key_keep: torch.Tensor | None  # (B, T) bool or None
     device: torch.device
+    documents: Documents | None = None
+
+    def segment(self, start: int, end: int, key_begin: int, rows: slice = slice(None)) -> "ChunkMasks":
+        """The masks of rows [start, end) of this chunk (in batch rows ``rows``), a piece that lies in
+        one document per batch row."""
+        keep = self.key_keep[rows] if self.key_keep is not None else None
+        docs = None
+        if self.documents is not None and key_begin < start:
+            docs = _RowSubset(self.documents, rows)
+        return ChunkMasks(start, end, key_begin, self.window, keep, self.device, docs)
+
+    def _document_keep(self, k0: int, k1: int) -> torch.Tensor | None:
+        """(B, 1, 1, k1-k0) bool: prefix keys in the document of each row's first query (None: all)."""
+        if self.documents is None or k0 >= k1:
+            return None
+        firsts = [self.documents.start_of(b, self.start) for b in range(len(self.documents.starts))]
+        if max(firsts) <= k0:
+            return None
+        k = torch.arange(k0, k1, device=self.device)[None, :]  # (1, kv)
+        return (k >= torch.tensor(firsts, device=self.device)[:, None])[:, None, None]
 
     def _allowed(self, k0: int, k1: int, per_row: bool) -> torch.Tensor | None:
         """(B|1, 1, c|1, k1-k0) bool, or None when every key is visible to every row."""
@@ -63,7 +124,11 @@ class ChunkMasks:
         return allowed
 
     def prefix(self):
-        return self._allowed(self.key_begin, self.start, per_row=False)
+        allowed = self._allowed(self.key_begin, self.start, per_row=False)
+        doc_keep = self._document_keep(self.key_begin, self.start)
+        if doc_keep is not None:
+            allowed = doc_keep if allowed is None else allowed & doc_keep
+        return allowed
 
     def own(self):
         """None means plain causal (is_causal=True is exact for the square own block)."""
@@ -76,7 +141,22 @@ class ChunkMasks:
 
     def full(self):
         """(B|1, 1, c, e - key_begin) bool for the single-call fallback."""
-        return self._allowed(self.key_begin, self.end, per_row=True)
+        allowed = self._allowed(self.key_begin, self.end, per_row=True)
+        if self.documents is not None:
+            ids = self.documents.doc_id
+            same = ids[:, None, self.start:self.end, None] == ids[:, None, None, self.key_begin:self.end]
+            allowed = same if allowed is None else allowed & same  # (B, 1, c, kv)
+        return allowed
+
+
+class _RowSubset:
+    """The documents of some batch rows (a segment's view of ``Documents``)."""
+
+    def __init__(self, documents: Documents, rows: slice):
+        self.starts = documents.starts[rows]
+        self.doc_id = documents.doc_id[rows]
+
+    start_of = Documents.start_of
 
 
 class PrefixGradSink:
@@ -91,11 +171,11 @@ class PrefixGradSink:
         self.dkey: torch.Tensor | None = None
         self.dvalue: torch.Tensor | None = None
 
-    def add(self, start: int, end: int, dkey: torch.Tensor, dvalue: torch.Tensor) -> None:
+    def add(self, start: int, end: int, dkey: torch.Tensor, dvalue: torch.Tensor, rows: slice = slice(None)) -> None:
         if self.dkey is None:
             self.dkey, self.dvalue = torch.zeros_like(self._like[0]), torch.zeros_like(self._like[1])
-        self.dkey[:, :, start:end] += dkey
-        self.dvalue[:, :, start:end] += dvalue
+        self.dkey[rows, :, start:end] += dkey
+        self.dvalue[rows, :, start:end] += dvalue
 
 
 def _bias(allowed: torch.Tensor | None, dtype) -> torch.Tensor | None:
@@ -119,7 +199,7 @@ _flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 class _TwoBlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, prefix_key, prefix_value, key, value, prefix_allowed, own_allowed, scale,
-                sink=None, sink_start=0):
+                sink=None, sink_start=0, sink_rows=slice(None)):
         dtype = query.dtype
         own_bias = _bias(own_allowed, dtype)
         own_out, own_lse = _flash_fwd(query, key, value, 0.0, own_bias is None, attn_mask=own_bias, scale=scale)
@@ -141,7 +221,7 @@ class _TwoBlockAttention(torch.autograd.Function):
             out = sum(o.to(acc) * torch.exp(l - lse).unsqueeze(-1) for (*_, o, _), l in zip(blocks, lses))
             out = out.to(dtype)
         ctx.scale = scale
-        ctx.sink, ctx.sink_start = sink, sink_start
+        ctx.sink, ctx.sink_start, ctx.sink_rows = sink, sink_start, sink_rows
         ctx.causal = [b[3] for b in blocks]
         ctx.save_for_backward(query, out, lse, *[t for b in blocks for t in b[:3]])
         return out
@@ -168,9 +248,9 @@ class _TwoBlockAttention(torch.autograd.Function):
                         grad_out, query, pk[:, :, b0:b1], pv[:, :, b0:b1], out, lse, 0.0, False,
                         attn_mask=None if pbias is None else pbias[..., b0:b1], scale=ctx.scale)
                     dq = dq + dq_b
-                    ctx.sink.add(ctx.sink_start + b0, ctx.sink_start + b1, dk_b, dv_b)
+                    ctx.sink.add(ctx.sink_start + b0, ctx.sink_start + b1, dk_b, dv_b, ctx.sink_rows)
                     del dk_b, dv_b
-        return dq, dpk, dpv, dk, dv, None, None, None, None, None
+        return dq, dpk, dpv, dk, dv, None, None, None, None, None, None
 
 
 def _use_two_block(query: torch.Tensor) -> bool:
@@ -184,22 +264,68 @@ def chunk_attention(query, prefix_key, prefix_value, key, value, masks: ChunkMas
 
     With a ``sink``, the prefix's K/V gradients are added into it (rows key_begin..start) rather
     than returned through autograd (the single-SDPA path, off CPU, still returns them)."""
-    if _use_two_block(query):
-        if torch.is_autocast_enabled(query.device.type):
-            # what SDPA does under autocast: attention runs in the autocast dtype
-            dtype = torch.get_autocast_dtype(query.device.type)
-            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-            if prefix_key is not None:
-                prefix_key, prefix_value = prefix_key.to(dtype), prefix_value.to(dtype)
-        prefix_allowed = masks.prefix() if prefix_key is not None else None
-        use_sink = sink is not None and prefix_key is not None and prefix_key.requires_grad
-        if use_sink:
-            prefix_key, prefix_value = prefix_key.detach(), prefix_value.detach()
-        # strided views go in as they are: the CPU flash kernel takes them without a copy
-        return _TwoBlockAttention.apply(
-            query, prefix_key, prefix_value, key, value, prefix_allowed, masks.own(), scale,
-            sink if use_sink else None, masks.key_begin,
-        )
+    if not _use_two_block(query):
+        return _single_call(query, prefix_key, prefix_value, key, value, masks, scale)
+    if torch.is_autocast_enabled(query.device.type) and query.dtype != torch.float64:
+        # what SDPA does under autocast: attention runs in the autocast dtype (float64 is never cast)
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+        if prefix_key is not None:
+            prefix_key, prefix_value = prefix_key.to(dtype), prefix_value.to(dtype)
+    pieces = _document_pieces(masks)
+    if pieces is None:
+        return _two_block(query, prefix_key, prefix_value, key, value, masks, scale, sink)
+    s = masks.start
+    per_rows = []
+    for rows, bounds in pieces:
+        outs = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            own = slice(a - s, b - s)
+            prefix = (None, None)
+            key_begin = a  # a segment that starts a document sees no earlier rows
+            if a == s and prefix_key is not None:
+                key_begin = masks.key_begin
+                if rows != slice(None):  # one batch row: its prefix starts at its own document
+                    key_begin = max(key_begin, masks.documents.start_of(rows.start, s))
+                skip = key_begin - masks.key_begin
+                if key_begin < s:
+                    prefix = (prefix_key[rows, :, skip:], prefix_value[rows, :, skip:])
+                else:
+                    key_begin = s
+            outs.append(_two_block(query[rows, :, own], *prefix, key[rows, :, own], value[rows, :, own],
+                                   masks.segment(a, b, key_begin, rows), scale, sink, rows))
+        per_rows.append(torch.cat(outs, dim=2) if len(outs) > 1 else outs[0])
+    return torch.cat(per_rows, dim=0) if len(per_rows) > 1 else per_rows[0]
+
+
+def _document_pieces(masks: ChunkMasks):
+    """None when no document starts inside the chunk; else [(batch rows, segment bounds)]: all rows
+    at once when they split alike, one row at a time otherwise."""
+    docs = masks.documents
+    if docs is None:
+        return None
+    splits = [docs.splits(b, masks.start, masks.end) for b in range(len(docs.starts))]
+    if not any(splits):
+        return None
+    bounds = [[masks.start, *sp, masks.end] for sp in splits]
+    if all(b == bounds[0] for b in bounds):
+        return [(slice(None), bounds[0])]
+    return [(slice(b, b + 1), bd) for b, bd in enumerate(bounds)]
+
+
+def _two_block(query, prefix_key, prefix_value, key, value, masks: ChunkMasks, scale, sink, rows=slice(None)):
+    prefix_allowed = masks.prefix() if prefix_key is not None else None
+    use_sink = sink is not None and prefix_key is not None and prefix_key.requires_grad
+    if use_sink:
+        prefix_key, prefix_value = prefix_key.detach(), prefix_value.detach()
+    # strided views go in as they are: the CPU flash kernel takes them without a copy
+    return _TwoBlockAttention.apply(
+        query, prefix_key, prefix_value, key, value, prefix_allowed, masks.own(), scale,
+        sink if use_sink else None, masks.key_begin, rows,
+    )
+
+
+def _single_call(query, prefix_key, prefix_value, key, value, masks: ChunkMasks, scale):
     if prefix_key is not None:
         key = torch.cat([prefix_key, key], dim=2)
         value = torch.cat([prefix_value, value], dim=2)

@@ -32,13 +32,15 @@ class GradSum:
             else:
                 self._sums[i].add_(g)
 
-    def result(self, scale: torch.Tensor | float | None = None) -> list[torch.Tensor | None]:
+    def result(self, scale: torch.Tensor | float | None = None, zeros_for_missing: bool = False
+               ) -> list[torch.Tensor | None]:
         """The sums (scaled in place, then cast to each tensor's dtype). Call once: the sums are
-        handed over, not copied."""
+        handed over, not copied. A tensor that got no gradient gets None, or zeros when asked
+        (a chunked loss over no labelled row still owes every parameter its zero gradient)."""
         out = []
         for like, s in zip(self._like, self._sums):
             if s is None:
-                out.append(None)
+                out.append(torch.zeros_like(like) if zeros_for_missing else None)
                 continue
             if scale is not None:
                 s.mul_(scale)

@@ -1,17 +1,27 @@
-"""Final norm + LM head + cross-entropy, chunked over the rows that carry a label.
+"""Final norm + LM head over the rows that carry a label, chunked so that full (T, V) logits never
+exist: at most ``chunk_size`` rows of logits live at a time, and unlabelled rows (prompt,
+padding) are skipped, not computed and masked.
 
-Semantics are transformers' causal-LM loss: row t predicts labels[t + 1], -100 is ignored, the
-sum is divided by ``num_items_in_batch`` when given and by the number of labelled rows otherwise.
-Logits are upcast to at least fp32 before the softmax (as transformers does) but float64 stays
-float64. Full (T, V) logits never exist: at most ``chunk_size`` rows of logits live at a time.
+Two autograd Functions share the per-chunk pieces below:
 
-The gradient of each chunk is taken right after its loss (the logits are then freed), so backward
-only scales the stored gradients by dL/dloss: the head is computed once, not twice.
+* ``ChunkedCrossEntropyFunction``: transformers' causal-LM loss (row t scored against labels[t+1],
+  -100 ignored, the sum divided by ``num_items_in_batch`` or the count of labelled rows). The loss
+  is a fixed linear function of the per-token log-probs, so each chunk's gradient is taken right
+  after its loss and the logits are freed; backward only scales the stored gradients by
+  dL/dloss. Three head matmuls per row.
+* ``ChunkedTokenStatsFunction``: per-token log-probs (and, on request, entropy and statistics
+  without gradient) with a real backward, so any loss built from them (DPO, GRPO, a user's) gets
+  exact gradients. Forward keeps only each row's log-sum-exp (and entropy); backward recomputes
+  each chunk's logits. Four head matmuls per row, the minimum for a loss not known in forward.
+
+Logits are upcast to at least fp32 before the softmax (as transformers does); float64 stays
+float64. A ``LogitTransform`` applies logit scaling, final soft-capping and a sampling temperature
+(TRL's fused head semantics).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +30,7 @@ from torch import nn
 from ._grads import AutocastState, GradSum, accumulation_dtype
 
 IGNORE_INDEX = -100
+STATS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -27,134 +38,220 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
 
 
+@dataclass(frozen=True)
+class LogitTransform:
+    """z = softcap * tanh(scale * logits / softcap) / temperature (no tanh without a softcap)."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+    temperature: float = 1.0
+
+    @property
+    def identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None and self.temperature == 1.0
+
+    def apply_(self, logits: torch.Tensor) -> torch.Tensor:
+        """In place on an accumulation-dtype buffer."""
+        if self.scale != 1.0:
+            logits.mul_(self.scale)
+        if self.softcap is not None:
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
+        if self.temperature != 1.0:
+            logits.div_(self.temperature)
+        return logits
+
+    def chain_(self, dz: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
+        """dL/dz -> dL/dlogits in place; ``z`` (the transformed logits) is needed only with a softcap."""
+        if self.softcap is not None:
+            t = z * (self.temperature / self.softcap)  # tanh(scale * logits / softcap)
+            dz.mul_(t.mul_(t).neg_().add_(1))
+        factor = self.scale / self.temperature
+        if factor != 1.0:
+            dz.mul_(factor)
+        return dz
+
+
 @dataclass
 class HeadRun:
+    """Everything a chunked head call needs besides its input and parameters."""
+
     norm: nn.Module
     lm_head: nn.Module
-    targets: torch.Tensor  # (B, T) shifted labels
-    denominator: torch.Tensor | float  # num_items_in_batch or the count of labelled rows
+    targets: torch.Tensor  # (B, T): row t is scored against targets[:, t]; IGNORE_INDEX skips it
     chunk_size: int
     autocast: AutocastState
-    # grad mode of the caller: inside Function.forward grad mode is always off
-    grad_enabled: bool
-    # the input is a tensor nothing else will read (the last streamed layer's output): its rows
-    # may be overwritten with their gradient once read
+    transform: LogitTransform = field(default_factory=LogitTransform)
+    # TRL's cast_lm_head_to_fp32: the projection runs in fp32, outside autocast
+    fp32_head: bool = False
+    # The input is a tensor nothing else will read (the last streamed layer's output): its rows
+    # may be overwritten with their gradient once read. Set only by callers that own that tensor.
     input_is_scratch: bool = False
 
     @property
     def fused(self) -> bool:
-        """A plain nn.Linear head gets the fused path (one (n, V) buffer per chunk); anything else
-        (a PEFT-wrapped head, say) goes through autograd."""
+        """A plain nn.Linear head gets the fused path (one (n, V) buffer per chunk, its gradients
+        written in place); anything else (a PEFT-wrapped head, say) goes through autograd."""
         return type(self.lm_head) is nn.Linear
 
+    def labelled_rows(self) -> torch.Tensor:
+        """Flat indices (into B*T) of the rows that carry a label."""
+        return torch.nonzero(self.targets.reshape(-1) != IGNORE_INDEX).squeeze(1)
 
-def _autograd_chunk(run: HeadRun, rows, targets, inputs, want_grad):
-    """Summed CE of one chunk of final hidden rows (n, H) and its gradients w.r.t. ``inputs``."""
-    with torch.set_grad_enabled(want_grad), run.autocast():
-        logits = run.lm_head(run.norm(rows))  # (n, V)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
-    grads = torch.autograd.grad(loss, inputs, allow_unused=True) if want_grad else None
-    return loss.detach(), grads
+    def head_params(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return (self.lm_head.weight, self.lm_head.bias) if self.fused else (None, None)
 
 
-def _fused_chunk(run: HeadRun, rows, targets, inputs, want_grad, head_grads):
-    """As ``_autograd_chunk`` for an nn.Linear head, with the CE gradient written in place.
+class _Chunk:
+    """One chunk of labelled rows: the normed rows, the logits buffer and the way back.
 
-    Memory: the (n, V) logits buffer is reused for the probabilities and then for dL/dlogits,
-    and the head's gradients are added straight into the running sums ``head_grads`` (no (V, H)
-    temporary unless the sums are kept in a wider dtype than the logits).
-    Only the norm in front of the head goes through autograd.
-    """
-    head = run.lm_head
-    with torch.set_grad_enabled(want_grad), run.autocast():
-        normed = run.norm(rows)  # (n, H), graph kept for its backward
-        with torch.no_grad():
-            logits = F.linear(normed, head.weight, head.bias)  # (n, V)
-    acc = logits.to(torch.promote_types(logits.dtype, torch.float32))  # no copy unless bf16/fp16
-    del logits
-    lse = torch.logsumexp(acc, dim=-1)  # (n,)
-    picked = acc.gather(1, targets[:, None]).squeeze(1)
-    loss = (lse - picked).sum()
-    if not want_grad:
-        return loss, None
-    # d(sum CE)/dlogits = softmax - onehot, computed in the logits buffer itself
-    acc.sub_(lse[:, None]).exp_()
-    acc[torch.arange(acc.shape[0], device=acc.device), targets] -= 1
-    # the backward matmuls run in the weight's dtype: under autocast (fp32 weight, bf16 logits)
-    # that avoids a bf16 copy of the (V, H) weight per chunk and is more precise
-    grad_dtype = head.weight.dtype
-    dlogits = acc.to(grad_dtype)
-    del acc
-    x = normed.detach().to(grad_dtype)
-    if "weight" in head_grads:
-        w_grad = head_grads["weight"]
-        if w_grad.dtype == grad_dtype:
-            w_grad.addmm_(dlogits.T, x)  # (V, H), in place: no temporary
-        else:
-            w_grad.add_(dlogits.T @ x)  # low-precision weight: a (V, H) temporary summed in fp32
-    if "bias" in head_grads:
-        head_grads["bias"].add_(dlogits.sum(0))
-    dnormed = (dlogits @ head.weight).to(normed.dtype)  # (n, H)
-    del dlogits
-    norm_inputs = [t for t in inputs if t is not head.weight and t is not head.bias]
-    norm_grads = torch.autograd.grad(normed, norm_inputs, dnormed, allow_unused=True) if norm_inputs else []
-    it = iter(norm_grads)
-    grads = [None if t is head.weight or t is head.bias else next(it) for t in inputs]
-    return loss, grads
+    ``inputs`` are the tensors whose gradients are wanted (the rows themselves first, when they
+    need one, then the trainable parameters of the norm and the head)."""
 
-
-class ChunkedHeadLossFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, run: HeadRun, *params: torch.Tensor) -> torch.Tensor:
-        B, T, H = hidden.shape
-        flat = hidden.reshape(B * T, H)
-        targets = run.targets.reshape(B * T)
-        # Only labelled rows need logits: prompt and padding rows are skipped, not computed and masked.
-        rows = torch.nonzero(targets != IGNORE_INDEX).squeeze(1)
-        need_input = ctx.needs_input_grad[0]
-        trainable = [p for p, need in zip(params, ctx.needs_input_grad[2:]) if need]
-        want_grad = run.grad_enabled and (need_input or bool(trainable))
-
-        total = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
-        grads = GradSum(trainable)
-        head_grad = {}
-        if want_grad and run.fused:
-            # running sums of the head's own gradients, added to in place chunk by chunk
-            head = run.lm_head
-            head_grad = {name: torch.zeros_like(t, dtype=accumulation_dtype(t.dtype))
-                         for name, t in (("weight", head.weight), ("bias", head.bias))
-                         if t is not None and any(t is p for p in trainable)}
-        dflat = None
-        if want_grad and need_input:
-            if run.input_is_scratch:
-                # Memory: dL/dhidden goes into the input's own buffer. Each labelled row is read
-                # (copied out) before its gradient is written back; unlabelled rows are never read.
-                dflat = flat.masked_fill_((targets == IGNORE_INDEX)[:, None], 0)
-            else:
-                dflat = torch.zeros_like(flat)
-        for s in range(0, rows.numel(), run.chunk_size):
-            idx = rows[s : s + run.chunk_size]
-            rows_c = flat.index_select(0, idx).detach().requires_grad_(want_grad and need_input)
-            inputs = ([rows_c] if need_input else []) + trainable
-            targets_c = targets.index_select(0, idx)
+    def __init__(self, run: HeadRun, rows: torch.Tensor, inputs: list[torch.Tensor], graph: bool):
+        self.run, self.rows, self.inputs = run, rows, inputs
+        head = run.lm_head
+        with torch.set_grad_enabled(graph), run.autocast():
+            self.normed = run.norm(rows)  # (n, H), graph kept for its backward
             if run.fused:
-                loss_c, g = _fused_chunk(run, rows_c, targets_c, inputs, want_grad, head_grad)
+                with torch.no_grad():
+                    self.logits = self._project(head.weight, head.bias)  # (n, V)
             else:
-                loss_c, g = _autograd_chunk(run, rows_c, targets_c, inputs, want_grad)
+                self.logits = head(self.normed)  # (n, V), graph through the wrapped head
+        # Memory: no copy unless the logits are bf16/fp16; the transform works in place
+        acc = self.logits.to(torch.promote_types(self.logits.dtype, torch.float32))
+        if run.fused:
+            del self.logits
+        self.z = run.transform.apply_(acc if acc is not getattr(self, "logits", None) else acc.clone())
+
+    def _project(self, weight, bias):
+        run = self.run
+        if run.fp32_head:
+            with torch.autocast(self.normed.device.type, enabled=False):
+                return F.linear(self.normed.float(), weight.float(), None if bias is None else bias.float())
+        return F.linear(self.normed, weight, bias)
+
+    def backprop(self, dz: torch.Tensor, z_kept: torch.Tensor | None, head_grads: dict) -> list:
+        """dz (n, V), dL/dz in the accumulation dtype (may be the z buffer itself) -> the gradients
+        of ``inputs`` (the head's own, on the fused path, go into ``head_grads`` in place)."""
+        run, inputs = self.run, self.inputs
+        dlogits = run.transform.chain_(dz, z_kept)
+        if not run.fused:
+            return list(torch.autograd.grad(self.logits, inputs, dlogits.to(self.logits.dtype), allow_unused=True))
+        weight, bias = run.lm_head.weight, run.lm_head.bias
+        # the backward matmuls run in the weight's dtype (fp32 under TRL's fp32 head): under autocast
+        # (fp32 weight, bf16 logits) that avoids a bf16 copy of the (V, H) weight per chunk
+        grad_dtype = torch.float32 if run.fp32_head else weight.dtype
+        dlogits = dlogits.to(grad_dtype)
+        x = self.normed.detach().to(grad_dtype)
+        if "weight" in head_grads:
+            w_grad = head_grads["weight"]
+            if w_grad.dtype == grad_dtype:
+                w_grad.addmm_(dlogits.T, x)  # (V, H), in place: no temporary
+            else:
+                w_grad.add_(dlogits.T @ x)  # low-precision weight: a (V, H) temporary summed in fp32
+        if "bias" in head_grads:
+            head_grads["bias"].add_(dlogits.sum(0))
+        dnormed = (dlogits @ weight.to(grad_dtype)).to(self.normed.dtype)  # (n, H)
+        del dlogits
+        norm_inputs = [t for t in inputs if t is not weight and t is not bias]
+        norm_grads = iter(torch.autograd.grad(self.normed, norm_inputs, dnormed, allow_unused=True)
+                          if norm_inputs else ())
+        return [None if t is weight or t is bias else next(norm_grads) for t in inputs]
+
+
+class _Rows:
+    """The labelled rows of a (B, T, H) input and the bookkeeping both Functions share."""
+
+    def __init__(self, ctx, hidden: torch.Tensor, run: HeadRun, params, first_param: int):
+        B, T, H = hidden.shape
+        self.shape = hidden.shape
+        self.flat = hidden.reshape(B * T, H)
+        self.targets = run.targets.reshape(B * T)
+        self.index = run.labelled_rows()
+        self.need_input = ctx.needs_input_grad[0]
+        self.trainable = [p for p, need in zip(params, ctx.needs_input_grad[first_param:]) if need]
+        self.run = run
+
+    def chunks(self):
+        for s in range(0, self.index.numel(), self.run.chunk_size):
+            yield self.index[s: s + self.run.chunk_size]
+
+    def read(self, idx: torch.Tensor, want_grad: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        rows = self.flat.index_select(0, idx).detach().requires_grad_(want_grad and self.need_input)
+        return rows, ([rows] if self.need_input else []) + self.trainable
+
+    def grad_buffer(self) -> torch.Tensor:
+        """The (B*T, H) input gradient: unlabelled rows get zero."""
+        if self.run.input_is_scratch:
+            # Memory: dL/dhidden goes into the input's own buffer. Each labelled row is read (copied
+            # out) before its gradient is written back; unlabelled rows are never read.
+            return self.flat.masked_fill_((self.targets == IGNORE_INDEX)[:, None], 0)
+        return torch.zeros_like(self.flat)
+
+    def head_grad_sums(self) -> dict[str, torch.Tensor]:
+        """Running sums of a fused head's own gradients, added to in place chunk by chunk."""
+        weight, bias = self.run.head_params()
+        return {name: torch.zeros_like(t, dtype=accumulation_dtype(t.dtype))
+                for name, t in (("weight", weight), ("bias", bias))
+                if t is not None and any(t is p for p in self.trainable)}
+
+    def finish(self, grads: GradSum, head_grads: dict) -> None:
+        if head_grads:
+            weight, bias = self.run.head_params()
+            grads.add([head_grads.get("weight") if p is weight else head_grads.get("bias") if p is bias else None
+                       for p in self.trainable], owned=True)
+
+
+def _backward_once(ctx, name: str) -> None:
+    if getattr(ctx, "consumed", False):
+        raise RuntimeError(
+            f"backward through leanbp's {name} ran twice (retain_graph=True): the streamed step hands its "
+            "summed gradients over and reuses its buffers in the first backward. Run the forward again instead."
+        )
+    ctx.consumed = True
+
+
+def _param_grads(ctx, grads: list, first_param: int) -> tuple:
+    it = iter(grads)
+    return tuple(next(it) if need else None for need in ctx.needs_input_grad[first_param:])
+
+
+class ChunkedCrossEntropyFunction(torch.autograd.Function):
+    """hidden (B, T, H), run, *params -> the summed cross-entropy of the labelled rows divided by
+    ``denominator`` (a scalar)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, run: HeadRun, denominator, grad_enabled: bool, *params):
+        r = _Rows(ctx, hidden, run, params, first_param=4)
+        want_grad = grad_enabled and (r.need_input or bool(r.trainable))
+        n_rows = r.index.numel()
+        if n_rows and not (torch.is_tensor(denominator) or denominator):
+            raise ValueError(f"num_items_in_batch is 0 but the batch has {n_rows} labelled tokens")
+        total = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
+        grads = GradSum(r.trainable)
+        head_grads = r.head_grad_sums() if want_grad and run.fused else {}
+        dflat = r.grad_buffer() if want_grad and r.need_input else None
+        for idx in r.chunks():
+            rows, inputs = r.read(idx, want_grad)
+            targets = r.targets.index_select(0, idx)
+            chunk = _Chunk(run, rows, inputs, graph=want_grad)
+            z = chunk.z
+            lse = torch.logsumexp(z, dim=-1)  # (n,)
+            total += (lse - z.gather(1, targets[:, None]).squeeze(1)).sum()
             if want_grad:
-                g = list(g)
-                if need_input:
+                # d(sum CE)/dz = softmax - onehot, computed in the z buffer itself
+                z_kept = z.clone() if run.transform.softcap is not None else None
+                dz = z.sub_(lse[:, None]).exp_()
+                dz[torch.arange(dz.shape[0], device=dz.device), targets] -= 1
+                g = chunk.backprop(dz, z_kept, head_grads)
+                if r.need_input:
                     dflat.index_copy_(0, idx, g.pop(0))  # each row is in exactly one chunk
                 grads.add(g)
-            total += loss_c
-        if head_grad:
-            head = run.lm_head
-            grads.add([head_grad.get("weight") if p is head.weight else
-                       head_grad.get("bias") if p is head.bias else None for p in trainable], owned=True)
-        loss = total / run.denominator
-
-        ctx.denominator = run.denominator
+            del chunk, z
+        r.finish(grads, head_grads)
+        loss = total / denominator  # no labelled row and no count: 0 / 0 = nan, as in transformers
+        ctx.denominator = denominator
+        ctx.n_rows = n_rows
         ctx.param_grads = grads if want_grad else None
         ctx.hidden_shape = hidden.shape
         # kept as a plain attribute, not saved: with a scratch input it is that (modified) input
@@ -163,16 +260,120 @@ class ChunkedHeadLossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
+        _backward_once(ctx, "chunked loss")
         if ctx.param_grads is None:
-            raise RuntimeError(
-                "leanbp's chunked loss was computed with gradients disabled and cannot be backpropagated"
-            )
-        scale = grad_loss / ctx.denominator
-        # Memory: drop ctx's reference so the summed head gradients are handed over, not copied
+            raise RuntimeError("leanbp's chunked loss was computed with gradients disabled and cannot be backpropagated")
+        # no labelled row: every gradient is zero (plain autograd's 0 * inf would make them nan)
+        scale = grad_loss / ctx.denominator if ctx.n_rows else grad_loss.new_zeros(())
+        # Memory: drop ctx's references so the summed gradients are handed over, not copied
         param_grads, ctx.param_grads = ctx.param_grads, None
         dinput = None
         if ctx.needs_input_grad[0]:
             dflat, ctx.dflat = ctx.dflat, None
             dinput = dflat.mul_(scale.to(dflat.dtype)).view(ctx.hidden_shape)
-        it = iter(param_grads.result(scale))
-        return (dinput, None, *[next(it) if need else None for need in ctx.needs_input_grad[2:]])
+        grads = param_grads.result(scale, zeros_for_missing=True)
+        return (dinput, None, None, None, *_param_grads(ctx, grads, 4))
+
+
+class ChunkedTokenStatsFunction(torch.autograd.Function):
+    """hidden (B, T, H), run, stats, *params -> one (B, T) tensor per name in ``STATS`` (None for
+    those not in ``stats``): log_probs of the targets and entropy (both differentiable), and
+    log(sum p^2), the mean transformed logit and whether the target is the first argmax (no
+    gradient). Every stat is 0 (False) where the target is IGNORE_INDEX."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, run: HeadRun, stats: tuple[str, ...], *params):
+        ctx.set_materialize_grads(False)
+        r = _Rows(ctx, hidden, run, params, first_param=3)
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        N = r.flat.shape[0]
+        out = {name: torch.zeros(N, dtype=torch.bool if name == "is_top1" else acc, device=hidden.device)
+               for name in STATS if name == "log_probs" or name in stats}
+        lse_all = torch.empty(r.index.numel(), dtype=acc, device=hidden.device)  # per labelled row
+        done = 0
+        for idx in r.chunks():
+            rows = r.flat.index_select(0, idx)
+            targets = r.targets.index_select(0, idx)
+            z = _Chunk(run, rows, [], graph=False).z  # (n, V)
+            lse = torch.logsumexp(z, dim=-1)
+            lse_all[done: done + idx.numel()] = lse
+            done += idx.numel()
+            out["log_probs"][idx] = z.gather(1, targets[:, None]).squeeze(1) - lse
+            if "mean_logits" in out:
+                out["mean_logits"][idx] = z.mean(-1)
+            if "is_top1" in out:
+                out["is_top1"][idx] = z.argmax(-1) == targets  # argmax: the first maximum
+            if "log_sum_sq_probs" in out:
+                out["log_sum_sq_probs"][idx] = torch.logsumexp(2 * z, dim=-1) - 2 * lse
+            if "entropy" in out:
+                # H = lse - sum_v p_v z_v
+                out["entropy"][idx] = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)
+            del z
+        ctx.run = run
+        ctx.hidden_shape = hidden.shape
+        entropy = out.get("entropy")
+        ctx.save_for_backward(hidden, lse_all, entropy if entropy is not None else lse_all, *params)
+        ctx.mark_non_differentiable(*[out[n] for n in ("log_sum_sq_probs", "mean_logits", "is_top1") if n in out])
+        B, T = hidden.shape[:2]
+        return tuple(out[name].view(B, T) if name in out else None for name in STATS)
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy, *_):
+        _backward_once(ctx, "per-token log-prob head")
+        hidden, lse_all, entropy, *params = ctx.saved_tensors
+        run: HeadRun = ctx.run
+        r = _Rows(ctx, hidden, run, params, first_param=3)
+        g_lp = grad_log_probs.reshape(-1) if grad_log_probs is not None else None
+        g_ent = grad_entropy.reshape(-1) if grad_entropy is not None else None
+        grads = GradSum(r.trainable)
+        head_grads = r.head_grad_sums() if run.fused else {}
+        dflat = r.grad_buffer() if r.need_input else None
+        done = 0
+        for idx in r.chunks():
+            n = idx.numel()
+            lse = lse_all[done: done + n, None]
+            done += n
+            rows, inputs = r.read(idx, True)
+            targets = r.targets.index_select(0, idx)
+            chunk = _Chunk(run, rows, inputs, graph=True)
+            z = chunk.z
+            z_kept = z.clone() if run.transform.softcap is not None else None
+            dz = z.sub_(lse)  # log p, in place
+            if g_ent is not None:
+                # dH/dz = -p (log p + H)
+                h = entropy[idx, None]
+                p = torch.exp(dz)
+                dz.add_(h).mul_(-g_ent[idx, None].to(dz.dtype))
+                if g_lp is not None:
+                    dz.sub_(g_lp[idx, None].to(dz.dtype))
+                dz.mul_(p)
+                del p
+            else:
+                dz.exp_().mul_(-g_lp[idx, None].to(dz.dtype))  # d(log p_target)/dz = onehot - p
+            if g_lp is not None:
+                dz[torch.arange(n, device=dz.device), targets] += g_lp[idx].to(dz.dtype)
+            g = chunk.backprop(dz, z_kept, head_grads)
+            if r.need_input:
+                dflat.index_copy_(0, idx, g.pop(0))
+            grads.add(g)
+            del chunk, z, dz
+        r.finish(grads, head_grads)
+        dinput = dflat.view(ctx.hidden_shape) if dflat is not None else None
+        return (dinput, None, None, *_param_grads(ctx, grads.result(zeros_for_missing=True), 3))
+
+
+def token_stats(hidden: torch.Tensor, run: HeadRun, stats: tuple[str, ...], params: list[torch.Tensor]) -> dict:
+    """{name: (B, T) tensor} for "log_probs" and each requested name of ``STATS``."""
+    unknown = set(stats) - set(STATS)
+    if unknown:
+        raise ValueError(f"unknown per-token statistics {sorted(unknown)}; choose from {STATS}")
+    out = ChunkedTokenStatsFunction.apply(hidden, run, tuple(stats), *params)
+    return {name: t for name, t in zip(STATS, out) if t is not None}
+
+
+def cross_entropy(hidden: torch.Tensor, run: HeadRun, denominator, params: list[torch.Tensor]) -> torch.Tensor:
+    """The summed CE of the labelled rows over ``denominator`` (transformers' causal-LM loss)."""
+    return ChunkedCrossEntropyFunction.apply(hidden, run, denominator, torch.is_grad_enabled(), *params)
+
+
+__all__ = ["HeadRun", "IGNORE_INDEX", "LogitTransform", "STATS", "cross_entropy", "shift_labels", "token_stats"]

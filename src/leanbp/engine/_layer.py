@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ._attention import ChunkMasks, PrefixGradSink, key_start
+from ._attention import ChunkMasks, Documents, PrefixGradSink, key_start
 from ._grads import AutocastState, GradSum
 
 
@@ -35,6 +35,7 @@ class LayerRun:
     cos: torch.Tensor  # (1 or B, T, D)
     sin: torch.Tensor
     key_keep: torch.Tensor | None  # (B, T) bool, None when nothing is padded
+    documents: Documents | None  # packed rows, None when every row is one sequence
     chunk_size: int
     autocast: AutocastState
 
@@ -42,12 +43,17 @@ class LayerRun:
         return [(s, min(s + self.chunk_size, length)) for s in range(0, length, self.chunk_size)]
 
     def key_begin(self, start: int) -> int:
-        return key_start(start, self.window)
+        """First key row any query row of a chunk starting at ``start`` may see."""
+        begin = key_start(start, self.window)
+        if self.documents is not None:  # no row sees keys before its document's start
+            begin = max(begin, min(self.documents.start_of(b, start) for b in range(len(self.documents.starts))))
+        return begin
 
     def chunk_out(self, hidden_c, prefix_key, prefix_value, start, end, sink=None):
         """(output, own key, own value) of rows [start, end); prefix_* are K/V rows
         [key_begin(start), start), or None when that range is empty."""
-        masks = ChunkMasks(start, end, self.key_begin(start), self.window, self.key_keep, hidden_c.device)
+        masks = ChunkMasks(start, end, self.key_begin(start), self.window, self.key_keep, hidden_c.device,
+                           self.documents)
         return self.adapter.chunk_forward(
             self.layer, hidden_c, prefix_key, prefix_value, self.cos[:, start:end], self.sin[:, start:end], masks,
             sink,

@@ -1,23 +1,42 @@
-"""``leanbp.stream(model)``: a transformers causal LM whose training step runs StreamBP.
+"""``leanbp.stream(model)``: the decoder of a transformers causal LM runs StreamBP.
 
-The model object stays the same: only its ``forward`` is replaced (per instance, reversibly), so
-parameters, state dict, ``save_pretrained``, optimizers and distributed wrappers are untouched.
+Streaming lives at the decoder. Two forwards are replaced, per instance and reversibly (parameters,
+state dict, ``save_pretrained``, optimizers and distributed wrappers are untouched):
+
+* the backbone's (``model.model``, the call that returns ``last_hidden_state``): when it builds a
+  graph, its layers run as ``StreamedLayerFunction``s and the final norm chunk by chunk, so any
+  head on top streams (TRL's fused head, a user's own loss, the model's own logits);
+* the causal LM's: calls with ``labels`` get leanbp's chunked cross-entropy, TRL's fused-head calls
+  (``fused_lm_head=True``) leanbp's chunked per-token log-probs, neither building full logits;
+  everything else runs the model's own forward (whose backbone call streams when it builds a graph).
+
+Calls that need a cache, attentions or every layer's hidden states, or build no graph, run the
+model's own decoder. A training call with gradients that cannot stream warns once and runs plain.
 """
 
 from __future__ import annotations
 
-import types
-from dataclasses import dataclass
+import inspect
+import warnings
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ..models import adapter_for
+from ._decoder import decoder_layers, rowwise, trainable
 from ._grads import AutocastState
-from ._head import ChunkedHeadLossFunction, HeadRun, IGNORE_INDEX, shift_labels
-from ._layer import LayerRun, StreamedLayerFunction
+from ._head import HeadRun, IGNORE_INDEX, LogitTransform, cross_entropy, shift_labels, token_stats
 
 _SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+# arguments that do not change what a streamed call computes: varlen metadata of packed rows (the
+# documents are read from position_ids, as transformers' SDPA path does) and output formatting
+_HARMLESS = ("return_dict", "cache_position", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+             "seq_idx")
+
+
+class StreamWarning(UserWarning):
+    """A streamed model ran a step without streaming, or ignored a setting."""
 
 
 @dataclass(frozen=True)
@@ -25,19 +44,23 @@ class StreamConfig:
     """How a streamed model chunks its work.
 
     chunk_size: rows of the sequence recomputed and backpropagated at once in a decoder layer.
-    head_chunk_size: labelled rows whose logits exist at once in the LM head + loss.
+    head_chunk_size: labelled rows whose logits exist at once in the LM head.
     layers: stream the decoder layers (StreamBP). False keeps the model's own decoder (plain
-        autograd, or its gradient checkpointing) and chunks only the LM head + loss.
+        autograd, or its gradient checkpointing) and chunks only the LM head.
+    eval_logits: a ``labels`` call without gradients in eval mode (``Trainer.evaluate``/``predict``)
+        also returns the full logits, as transformers does; False keeps such calls loss-only
+        (no (T, V) logits at all, for evaluation at long T).
     """
 
     chunk_size: int = 1024
     head_chunk_size: int = 256
     layers: bool = True
+    eval_logits: bool = True
 
     def __post_init__(self):
         for name in ("chunk_size", "head_chunk_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
@@ -45,195 +68,319 @@ class StreamConfig:
 class _StreamState:
     config: StreamConfig
     adapter: object
-    layer_param_names: list[list[str]]
-    head_param_names: list[str]
+    warned: set = field(default_factory=set)
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            warnings.warn(message, StreamWarning, stacklevel=4)
+
+
+class _Forward:
+    """A forward leanbp installs on one module instance: ``impl(module, plain, *args, **kwargs)``,
+    where ``plain`` is the forward it replaced (the class's, or another wrapper's). Unlike a bound
+    method it pickles (``torch.save(model)``), and it reports the replaced forward's signature
+    (Trainer and ``generate`` inspect it)."""
+
+    def __init__(self, module: nn.Module, impl, inner=None):
+        self.module, self.impl, self.inner = module, impl, inner
+
+    def plain(self):
+        if self.inner is not None:
+            return self.inner
+        return type(self.module).forward.__get__(self.module, type(self.module))
+
+    @property
+    def __signature__(self):
+        return inspect.signature(self.plain())
+
+    def __call__(self, *args, **kwargs):
+        return self.impl(self.module, self.plain(), *args, **kwargs)
+
+
+def causal_lm_of(model: nn.Module) -> nn.Module:
+    """The transformers causal LM inside PEFT, DDP or accelerate wrappers."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):  # PEFT
+            model = model.get_base_model()
+        elif not hasattr(model, "config") and isinstance(getattr(model, "module", None), nn.Module):  # DDP & co
+            model = model.module
+    return model
 
 
 def is_streamed(model: nn.Module) -> bool:
-    return "_leanbp_stream" in vars(model)
+    return "_leanbp_stream" in vars(causal_lm_of(model))
 
 
-def stream(model: nn.Module, chunk_size: int = 1024, head_chunk_size: int = 256, layers: bool = True) -> nn.Module:
-    """Make ``model(input_ids, labels=...)`` + ``loss.backward()`` run exact StreamBP.
+def _ours(forward) -> bool:
+    return isinstance(forward, _Forward)
 
-    Only calls with ``labels`` are streamed (they return ``loss`` and ``logits=None``); calls
-    without labels run the model's own forward. ``layers=False`` chunks only the LM head + loss
-    (no full logits) and leaves the decoder to transformers. Undo with :func:`unstream`.
+
+def stream(model: nn.Module, chunk_size: int = 1024, head_chunk_size: int = 256, layers: bool = True,
+           eval_logits: bool = True) -> nn.Module:
+    """Make the decoder of ``model`` run exact StreamBP whenever it builds a graph.
+
+    ``model`` is a transformers causal LM, or a PEFT / DDP / accelerate wrapper of one, before or
+    after ``get_peft_model`` or a TRL trainer's setup. Calls with ``labels`` return ``loss`` (and
+    ``logits=None`` in training); TRL's fused-head calls return per-token log-probs; both are
+    chunked. ``layers=False`` chunks only the LM head and leaves the decoder to transformers.
+    Returns ``model``. Undo with :func:`unstream`.
     """
-    config = StreamConfig(chunk_size=chunk_size, head_chunk_size=head_chunk_size, layers=layers)
-    if is_streamed(model):
-        raise ValueError("model is already streamed; call leanbp.unstream(model) first to change chunk sizes")
-    adapter = adapter_for(model)
-    attn_impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    config = StreamConfig(chunk_size=chunk_size, head_chunk_size=head_chunk_size, layers=layers,
+                          eval_logits=eval_logits)
+    lm = causal_lm_of(model)
+    if is_streamed(lm):
+        if _ours(vars(lm).get("forward")):
+            raise ValueError("model is already streamed; call leanbp.unstream(model) first to change chunk sizes")
+        # something (TRL's fused head) wrapped the streamed forward since: leanbp goes on top again
+        _uninstall(lm)
+    adapter = adapter_for(lm)
+    attn_impl = getattr(lm.config, "_attn_implementation", None) or "eager"
     if attn_impl not in _SUPPORTED_ATTENTION:
         raise NotImplementedError(
             f"attn_implementation={attn_impl!r} is not supported by leanbp.stream (it computes chunk "
             f"attention itself with SDPA); load the model with attn_implementation='sdpa'."
         )
-    if layers and (getattr(model, "is_activation_checkpointing", None) or getattr(model.model, "gradient_checkpointing", False)):
-        raise ValueError(
-            "gradient checkpointing is enabled; StreamBP already keeps only each layer's input. "
-            "Call model.gradient_checkpointing_disable() before leanbp.stream(model)."
-        )
-    layers = adapter.layers()
-    module_names = {m: n for n, m in model.named_modules()}
-    # without streamed layers the decoder applies the final norm itself
-    head_modules = [adapter.final_norm(), adapter.lm_head()] if layers else [adapter.lm_head()]
-    state = _StreamState(
-        config=config,
-        adapter=adapter,
-        # names, not tensors: resolved on every call so that later freezing, PEFT or a
-        # distributed wrapper that swaps parameter tensors is always seen
-        layer_param_names=[[n for n, _ in layer.named_parameters()] for layer in layers],
-        head_param_names=[f"{module_names[m]}.{n}" for m in head_modules for n, _ in m.named_parameters()],
-    )
-    model._leanbp_stream = state
-    model.forward = types.MethodType(_streamed_forward, model)
+    state = _StreamState(config=config, adapter=adapter)
+    if layers and _checkpointing(adapter):
+        state.warn_once("checkpointing", _CHECKPOINTING_IGNORED)
+    lm._leanbp_stream = state
+    lm.forward = _Forward(lm, _lm_forward, vars(lm).get("forward"))
+    if layers:
+        backbone = adapter.backbone()
+        backbone._leanbp_stream = state
+        backbone.forward = _Forward(backbone, _backbone_forward, vars(backbone).get("forward"))
     return model
 
 
 def unstream(model: nn.Module) -> nn.Module:
     """Return a streamed model to plain transformers behaviour."""
-    if not is_streamed(model):
+    lm = causal_lm_of(model)
+    if not is_streamed(lm):
         raise ValueError("model is not streamed")
-    del model._leanbp_stream
-    del model.forward  # the class's forward shows through again
+    _uninstall(lm)
     return model
 
 
-def _trainable(module: nn.Module, names: list[str]) -> list[torch.Tensor]:
-    """The parameters (by name, each once) that need a gradient now."""
-    found = {id(p): p for p in (module.get_parameter(n) for n in names) if p.requires_grad}
-    return list(found.values())
+def _uninstall(lm: nn.Module) -> None:
+    backbone = lm._leanbp_stream.adapter.backbone()
+    for module in (lm, backbone):
+        vars(module).pop("_leanbp_stream", None)
+        forward = vars(module).get("forward")
+        if _ours(forward):
+            if forward.inner is None:
+                del module.forward  # the class's forward shows through again
+            else:
+                module.forward = forward.inner
+        # a wrapper installed on top of ours stays; ours, without its state, passes calls through
 
 
-def _check_call(model, kwargs, attention_mask, position_ids):
-    unsupported = {k: v for k, v in kwargs.items() if v not in (None, False)}
-    if unsupported:
-        raise NotImplementedError(
-            f"leanbp.stream does not support {sorted(unsupported)} in a call with labels "
-            "(a streamed training step returns only the loss); call leanbp.unstream(model) for that."
+_CHECKPOINTING_IGNORED = (
+    "gradient checkpointing is enabled on a streamed model; leanbp ignores it in streamed steps (StreamBP "
+    "already keeps only each layer's input). Turn it off to silence this warning."
+)
+
+
+def _checkpointing(adapter) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) for m in (adapter.backbone(), *adapter.layers()))
+
+
+def _arguments(module: nn.Module, args, kwargs) -> dict:
+    """The call's arguments by name, bound to the class forward's signature."""
+    if not args:
+        return dict(kwargs)
+    bound = inspect.signature(type(module).forward).bind_partial(module, *args, **kwargs).arguments
+    bound.pop("self", None)
+    extra = bound.pop("kwargs", {})
+    return {**bound, **extra}
+
+
+def _blocking(arguments: dict, with_labels: bool) -> list[str]:
+    """Arguments that a streamed call cannot honour (each name once)."""
+    data = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "num_items_in_batch",
+            "shift_labels")
+    out = []
+    for name, value in arguments.items():
+        if name in data or name in _HARMLESS or value is None or value is False:
+            continue
+        if name == "use_cache" or (name == "logits_to_keep" and (not with_labels or value == 0)):
+            if not value:
+                continue
+        out.append(name)
+    mask = arguments.get("attention_mask")
+    if mask is not None and (not torch.is_tensor(mask) or mask.dim() != 2):
+        out.append("attention_mask (not a 2D padding mask)")
+    return out
+
+
+def _builds_graph(module: nn.Module, arguments: dict) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    embeds = arguments.get("inputs_embeds")
+    return (embeds is not None and embeds.requires_grad) or any(p.requires_grad for p in module.parameters())
+
+
+def _check_training_call(state: _StreamState, module: nn.Module, used: list[nn.Module]) -> None:
+    """A streamed call that builds a graph: every trainable parameter of ``module`` must be in the
+    modules the call uses, and no layer may draw attention dropout."""
+    adapter = state.adapter
+    seen = {id(p) for m in used for p in m.parameters()}
+    missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
+    if missing:
+        raise RuntimeError(
+            f"leanbp.stream: {missing[:4]}{' ...' if len(missing) > 4 else ''} need gradients but lie outside "
+            "the modules a streamed step computes (embedding, decoder layers, final norm, LM head), so they "
+            "would get none. Freeze them, or call leanbp.unstream(model)."
         )
-    if attention_mask is not None and attention_mask.dim() != 2:
-        raise NotImplementedError(
-            "leanbp.stream takes a 2D (batch, seq) padding attention_mask; custom 4D masks are not supported"
-        )
-    if position_ids is not None and attention_mask is None:
-        expected = torch.arange(position_ids.shape[-1], device=position_ids.device)
-        if not bool((position_ids - position_ids[..., :1] == expected).all()):
-            raise NotImplementedError(
-                "position_ids that restart inside a row (packed sequences) are not supported yet; "
-                "pad the sequences instead"
-            )
-    if model.training:
-        for i in range(len(model._leanbp_stream.adapter.layers())):
-            if model._leanbp_stream.adapter.attention_dropout(i) > 0:
+    if module.training:
+        for i in range(len(adapter.layers())):
+            if adapter.attention_dropout(i) > 0:
                 raise NotImplementedError(
-                    "attention dropout > 0 in training is not supported by leanbp.stream (a recomputed "
-                    "chunk would draw a different mask); set config.attention_dropout = 0.0"
+                    "attention dropout > 0 in training is not supported by leanbp.stream (a recomputed chunk "
+                    "would draw a different mask); set config.attention_dropout = 0.0"
                 )
+    if _checkpointing(adapter):
+        state.warn_once("checkpointing", _CHECKPOINTING_IGNORED)
 
 
-def _streamed_forward(
-    self,
-    input_ids=None,
-    attention_mask=None,
-    position_ids=None,
-    inputs_embeds=None,
-    labels=None,
-    num_items_in_batch=None,
-    use_cache=None,
-    past_key_values=None,
-    cache=None,
-    output_attentions=None,
-    output_hidden_states=None,
-    return_dict=None,
-    logits_to_keep=0,
-    **kwargs,
-):
-    state: _StreamState = self._leanbp_stream
-    if labels is None:
-        # no loss to stream: plain forward (it builds full logits, as the caller asked for them)
-        passed = dict(use_cache=use_cache, past_key_values=past_key_values, cache=cache,
-                      output_attentions=output_attentions, output_hidden_states=output_hidden_states,
-                      return_dict=return_dict, num_items_in_batch=num_items_in_batch)
-        passed = {k: v for k, v in passed.items() if v is not None}
-        return type(self).forward(
-            self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, logits_to_keep=logits_to_keep, **passed, **kwargs,
+def _bypass(state: _StreamState, module: nn.Module, arguments: dict, reasons: list[str]) -> None:
+    if module.training and _builds_graph(module, arguments):
+        state.warn_once(
+            "bypass:" + ",".join(reasons),
+            f"leanbp: a training call with {reasons} cannot be streamed; it runs the model's own forward "
+            "(plain autograd, full activations).",
         )
+
+
+def _backbone_forward(backbone: nn.Module, plain, *args, **kwargs):
+    """The backbone forward: streamed layers and a chunked final norm when it builds a graph."""
+    state: _StreamState | None = vars(backbone).get("_leanbp_stream")
+    if state is None:
+        return plain(*args, **kwargs)
+    arguments = _arguments(backbone, args, kwargs)
+    if not _builds_graph(backbone, arguments):
+        return plain(*args, **kwargs)
+    reasons = _blocking(arguments, with_labels=False)
+    if reasons:
+        _bypass(state, backbone, arguments, reasons)
+        return plain(*args, **kwargs)
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    adapter = state.adapter
+    _check_training_call(state, backbone, [adapter.embed_tokens(), *adapter.layers(), adapter.final_norm()])
+    _warn_if_trl_head_outside(state, adapter.model)
+    hidden = decoder_layers(adapter, state.config, **_data(arguments))
+    hidden = rowwise(adapter.final_norm(), hidden, state.config.chunk_size)
+    return BaseModelOutputWithPast(last_hidden_state=hidden)
+
+
+def _data(arguments: dict) -> dict:
+    return {k: arguments.get(k) for k in ("input_ids", "inputs_embeds", "attention_mask", "position_ids")}
+
+
+def _lm_forward(lm: nn.Module, plain, *args, **kwargs):
+    """The causal-LM forward: leanbp's chunked head for ``labels`` and TRL fused-head calls."""
+    state: _StreamState | None = vars(lm).get("_leanbp_stream")
+    if state is None:
+        return plain(*args, **kwargs)
+    from ..integrations._trl_head import fused_head_spec
+
+    if kwargs.get("fused_lm_head"):
+        spec = fused_head_spec(plain)
+        if spec is None:  # nobody below handles fused calls the way TRL does: let them answer
+            return plain(*args, **kwargs)
+        arguments = _arguments(lm, args, {k: v for k, v in kwargs.items() if k != "fused_lm_head"})
+        reasons = _blocking(arguments, with_labels=True)
+        if reasons or arguments.get("labels") is None and arguments.get("shift_labels") is None:
+            _bypass(state, lm, arguments, reasons or ["no labels"])
+            return plain(*args, **kwargs)
+        return _fused_head_forward(lm, state, spec, arguments)
+    arguments = _arguments(lm, args, kwargs)
+    if arguments.get("labels") is None:
+        return plain(*args, **kwargs)  # the model's own forward; its backbone call streams
+    reasons = _blocking(arguments, with_labels=True)
+    if reasons:
+        _bypass(state, lm, arguments, reasons)
+        return plain(*args, **kwargs)
+    return _labels_forward(lm, state, arguments)
+
+
+def _hidden_for_head(lm: nn.Module, state: _StreamState, arguments: dict):
+    """(hidden rows for the head, the norm the head applies first, whether the rows are scratch)."""
+    adapter = state.adapter
+    head_modules = [adapter.final_norm(), adapter.lm_head()]
     if not state.config.layers:
-        return _head_only_forward(self, state, input_ids, attention_mask, position_ids, inputs_embeds, labels,
-                                  num_items_in_batch, kwargs)
-    _check_call(
-        self,
-        {"use_cache": use_cache, "past_key_values": past_key_values, "cache": cache,
-         "output_attentions": output_attentions, "output_hidden_states": output_hidden_states, **kwargs},
-        attention_mask,
-        position_ids,
-    )
-    adapter, config = state.adapter, state.config
-    if (input_ids is None) == (inputs_embeds is None):
-        raise ValueError("pass exactly one of input_ids or inputs_embeds")
-    hidden = adapter.embed_tokens()(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, H)
-    T = hidden.shape[1]
-    if position_ids is None:
-        position_ids = torch.arange(T, device=hidden.device).unsqueeze(0)  # (1, T)
-    cos, sin = adapter.position_embeddings(hidden, position_ids)
-    key_keep = None
-    if attention_mask is not None and not bool(attention_mask.all()):
-        key_keep = attention_mask.to(device=hidden.device, dtype=torch.bool)
-    autocast = AutocastState(hidden.device.type)
-
-    for i, layer in enumerate(adapter.layers()):
-        run = LayerRun(
-            adapter=adapter,
-            layer=layer,
-            window=adapter.sliding_window(i),
-            cos=cos,
-            sin=sin,
-            key_keep=key_keep,
-            chunk_size=config.chunk_size,
-            autocast=autocast,
-        )
-        hidden = StreamedLayerFunction.apply(hidden, run, *_trainable(layer, state.layer_param_names[i]))
-
+        out = adapter.backbone()(**_data(arguments), use_cache=False)
+        return out.last_hidden_state, nn.Identity(), False
+    if _builds_graph(lm, arguments):
+        _check_training_call(state, lm, [adapter.embed_tokens(), *adapter.layers(), *head_modules])
+    hidden = decoder_layers(adapter, state.config, **_data(arguments))
     # the last layer's output is read by the head only: its buffer can hold the head's input gradient
     # (never the caller's inputs_embeds, which a model without layers would pass straight through)
-    return _loss_output(self, state, hidden, adapter.final_norm(), labels, num_items_in_batch,
-                        input_is_scratch=len(adapter.layers()) > 0)
+    return hidden, adapter.final_norm(), len(adapter.layers()) > 0
 
 
-def _loss_output(model, state: _StreamState, hidden, norm, labels, num_items_in_batch, input_is_scratch=False):
-    """The chunked head + loss on the last decoder output (B, T, H)."""
+def _head_params(norm: nn.Module, lm_head: nn.Module) -> list[torch.Tensor]:
+    return list(dict.fromkeys(trainable(norm) + trainable(lm_head)))
+
+
+def _labels_forward(lm: nn.Module, state: _StreamState, arguments: dict):
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    hidden, norm, scratch = _hidden_for_head(lm, state, arguments)
+    labels = arguments["labels"]
     if labels.shape != hidden.shape[:2]:
         raise ValueError(f"labels must have shape {tuple(hidden.shape[:2])}, got {tuple(labels.shape)}")
     targets = shift_labels(labels.to(hidden.device))
-    if num_items_in_batch is not None:
-        denominator = num_items_in_batch
-        if torch.is_tensor(denominator):
-            denominator = denominator.to(hidden.device)
-    else:
+    denominator = arguments.get("num_items_in_batch")
+    if denominator is None:
         denominator = (targets != IGNORE_INDEX).sum()
-    head = HeadRun(
-        norm=norm,
-        lm_head=state.adapter.lm_head(),
-        targets=targets,
-        denominator=denominator,
-        chunk_size=state.config.head_chunk_size,
-        autocast=AutocastState(hidden.device.type),
-        grad_enabled=torch.is_grad_enabled(),
-        input_is_scratch=input_is_scratch,
-    )
-    loss = ChunkedHeadLossFunction.apply(hidden, head, *_trainable(model, state.head_param_names))
-    return CausalLMOutputWithPast(loss=loss, logits=None)
+    elif torch.is_tensor(denominator):
+        denominator = denominator.to(hidden.device)
+    lm_head = state.adapter.lm_head()
+    grad = torch.is_grad_enabled()
+    run = HeadRun(norm=norm, lm_head=lm_head, targets=targets, chunk_size=state.config.head_chunk_size,
+                  autocast=AutocastState(hidden.device.type), input_is_scratch=scratch and grad)
+    loss = cross_entropy(hidden, run, denominator, _head_params(norm, lm_head))
+    logits = None
+    if not grad and not lm.training and state.config.eval_logits:
+        with run.autocast():
+            logits = lm_head(norm(hidden))  # (B, T, V): evaluation asked for them, as in transformers
+    return CausalLMOutputWithPast(loss=loss, logits=logits)
 
 
-def _head_only_forward(model, state, input_ids, attention_mask, position_ids, inputs_embeds, labels,
-                       num_items_in_batch, kwargs):
-    """The model's own decoder (final norm included), then the chunked head + loss."""
-    out = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      inputs_embeds=inputs_embeds, use_cache=False, **kwargs)
-    return _loss_output(model, state, out.last_hidden_state, nn.Identity(), labels, num_items_in_batch)
+def _fused_head_forward(lm: nn.Module, state: _StreamState, spec, arguments: dict):
+    """TRL's ``fused_lm_head=True`` call, answered by leanbp's chunked per-token head with TRL's
+    settings (temperature, logit scale, soft-capping, fp32 head, requested outputs)."""
+    from ..integrations._trl_head import fused_output
+
+    hidden, norm, scratch = _hidden_for_head(lm, state, arguments)
+    pre_shifted = arguments.get("shift_labels")
+    targets = pre_shifted if pre_shifted is not None else shift_labels(arguments["labels"])
+    targets = targets.to(hidden.device)
+    lm_head = state.adapter.lm_head()
+    run = HeadRun(norm=norm, lm_head=lm_head, targets=targets, chunk_size=state.config.head_chunk_size,
+                  autocast=AutocastState(hidden.device.type), transform=spec.transform, fp32_head=spec.fp32_head,
+                  input_is_scratch=scratch and torch.is_grad_enabled())
+    stats = token_stats(hidden, run, spec.outputs, _head_params(norm, lm_head))
+    if pre_shifted is None:  # TRL scores rows 0..T-2 against labels 1..T-1
+        stats = {name: t[:, :-1] for name, t in stats.items()}
+        targets = targets[:, :-1]
+    return fused_output(stats, targets != IGNORE_INDEX, arguments.get("num_items_in_batch"))
+
+
+def _warn_if_trl_head_outside(state: _StreamState, lm: nn.Module) -> None:
+    from ..integrations._trl_head import fused_head_spec
+
+    if fused_head_spec(vars(lm).get("forward")) is not None:
+        state.warn_once(
+            "trl-outside",
+            "TRL's fused LM head was added after leanbp.stream: the decoder streams, but TRL computes the "
+            "log-probs itself (4096-row tiles). Call leanbp.integrations.trl.stream_trainer(trainer) after "
+            "building the trainer to let leanbp's chunked head do it.",
+        )
+
+
+__all__ = ["LogitTransform", "StreamConfig", "StreamWarning", "causal_lm_of", "is_streamed", "stream", "unstream"]

@@ -12,12 +12,17 @@ and never copies a modeling file.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch import nn
 
 from ..engine._attention import ChunkMasks, PrefixGradSink, chunk_attention
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) over the last dim: the RoPE rotation these families use. Written here,
+    not looked up through the layer's class module (FSDP2 swaps that class for a generated one)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
 
 
 class LlamaFamilyAdapter:
@@ -28,10 +33,12 @@ class LlamaFamilyAdapter:
     def __init__(self, model: nn.Module):
         self.model = model
         self.config = model.config
-        # the family's own rotate_half: RoPE is applied exactly as the modeling file does it
-        self._rotate_half = sys.modules[type(model.model.layers[0]).__module__].rotate_half
 
-    # -- where things live in the model ---------------------------------------------------------
+    # -- where things live in the model (looked up on every call: PEFT and wrappers replace modules)
+    def backbone(self) -> nn.Module:
+        """The module whose forward returns ``last_hidden_state``."""
+        return self.model.model
+
     def layers(self) -> nn.ModuleList:
         return self.model.model.layers
 
@@ -62,7 +69,7 @@ class LlamaFamilyAdapter:
     # -- the split of one decoder layer ---------------------------------------------------------
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D): broadcast over heads
-        return x * cos + self._rotate_half(x) * sin
+        return x * cos + rotate_half(x) * sin
 
     def _key_value_from_normed(self, attn: nn.Module, x: torch.Tensor, cos, sin):
         shape = (*x.shape[:-1], -1, attn.head_dim)  # (B, n, Hkv, D)

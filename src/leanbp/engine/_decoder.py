@@ -1,0 +1,104 @@
+"""The streamed decoder: embeddings, then every decoder layer as a ``StreamedLayerFunction``.
+
+Every entry point runs it: the backbone forward (so any head on top of ``last_hidden_state``
+streams), leanbp's cross-entropy for ``labels`` calls, and TRL's fused head. It returns the last
+layer's output *before* the final norm; callers either hand the norm to leanbp's chunked head or
+apply it with ``RowwiseFunction`` (which keeps only its input).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._attention import Documents
+from ._grads import AutocastState, GradSum
+from ._layer import LayerRun, StreamedLayerFunction
+
+
+def trainable(module: nn.Module) -> list[torch.Tensor]:
+    """The parameters of ``module`` that need a gradient now, each once. Looked up on every call,
+    so adapters added after ``stream`` (PEFT) and later freezing are always seen."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def check_attention_mask(attention_mask, batch: int, length: int) -> None:
+    if attention_mask is None:
+        return
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, length):
+        raise ValueError(
+            f"attention_mask must have shape (batch, seq) = {(batch, length)}, got {tuple(attention_mask.shape)}"
+        )
+
+
+def decoder_layers(adapter, config, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None,
+                   ) -> torch.Tensor:
+    """(B, T, H) output of the last decoder layer (before the final norm), streamed.
+
+    Packed rows: with ``position_ids`` that restart inside a row and no ``attention_mask``, every
+    document attends only to itself (transformers' rule); with an attention mask the position ids
+    only place RoPE, as in transformers."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pass exactly one of input_ids or inputs_embeds")
+    hidden = adapter.embed_tokens()(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, H)
+    if hidden.dim() != 3:
+        raise ValueError(f"input_ids must be (batch, seq) and inputs_embeds (batch, seq, hidden); got {tuple(hidden.shape)}")
+    B, T = hidden.shape[:2]
+    check_attention_mask(attention_mask, B, T)
+    if position_ids is None:
+        position_ids = torch.arange(T, device=hidden.device).unsqueeze(0)  # (1, T)
+    elif position_ids.dim() == 1:
+        position_ids = position_ids.unsqueeze(0)
+    if position_ids.shape[-1] != T or position_ids.shape[0] not in (1, B):
+        raise ValueError(f"position_ids must have shape (batch or 1, seq) = ({B}, {T}), got {tuple(position_ids.shape)}")
+    position_ids = position_ids.to(hidden.device)
+    documents = Documents.from_position_ids(position_ids, B) if attention_mask is None else None
+    cos, sin = adapter.position_embeddings(hidden, position_ids)
+    key_keep = None
+    if attention_mask is not None and not bool(attention_mask.all()):
+        key_keep = attention_mask.to(device=hidden.device, dtype=torch.bool)
+    autocast = AutocastState(hidden.device.type)
+    for i, layer in enumerate(adapter.layers()):
+        run = LayerRun(adapter=adapter, layer=layer, window=adapter.sliding_window(i), cos=cos, sin=sin,
+                       key_keep=key_keep, documents=documents, chunk_size=config.chunk_size, autocast=autocast)
+        hidden = StreamedLayerFunction.apply(hidden, run, *trainable(layer))
+    return hidden
+
+
+class RowwiseFunction(torch.autograd.Function):
+    """A module that acts on each row independently (a norm), applied chunk by chunk.
+
+    Memory: autograd would keep the module's intermediates for all T rows (an fp32 copy of the input
+    and more for an RMSNorm); this keeps only the input and recomputes one chunk at a time in
+    backward. Parameter gradients are summed over chunks and returned once."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, module: nn.Module, chunk_size: int, autocast: AutocastState, *params):
+        with torch.no_grad(), autocast():
+            out = torch.cat([module(hidden[:, s: s + chunk_size]) for s in range(0, hidden.shape[1], chunk_size)], 1)
+        ctx.save_for_backward(hidden, *params)
+        ctx.module, ctx.chunk_size, ctx.autocast = module, chunk_size, autocast
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        hidden, *params = ctx.saved_tensors
+        need_input = ctx.needs_input_grad[0]
+        trainable_params = [p for p, need in zip(params, ctx.needs_input_grad[4:]) if need]
+        grads = GradSum(trainable_params)
+        dhidden = torch.empty_like(hidden) if need_input else None
+        for s in range(0, hidden.shape[1], ctx.chunk_size):
+            rows = hidden[:, s: s + ctx.chunk_size].detach().requires_grad_(need_input)
+            with torch.enable_grad(), ctx.autocast():
+                out = ctx.module(rows)
+            inputs = ([rows] if need_input else []) + trainable_params
+            g = list(torch.autograd.grad(out, inputs, grad_out[:, s: s + ctx.chunk_size], allow_unused=True))
+            if need_input:
+                dhidden[:, s: s + ctx.chunk_size] = g.pop(0)
+            grads.add(g)
+        it = iter(grads.result())
+        return (dhidden, None, None, None, *[next(it) if need else None for need in ctx.needs_input_grad[4:]])
+
+
+def rowwise(module: nn.Module, hidden: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    return RowwiseFunction.apply(hidden, module, chunk_size, AutocastState(hidden.device.type), *trainable(module))

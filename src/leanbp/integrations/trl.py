@@ -1,0 +1,29 @@
+"""leanbp with TRL's trainers (SFT, DPO, GRPO; KTO and RLOO use the same fused head).
+
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data, peft_config=lora)  # or DPO/GRPO
+    leanbp.integrations.trl.stream_trainer(trainer, chunk_size=2048)
+    trainer.train()
+
+TRL computes per-token log-probs through a fused LM head that it installs while building the
+trainer. ``stream_trainer`` streams the trained model (whatever PEFT did to it) and a separate
+reference model, after that, so leanbp answers the fused-head calls too: the decoder streams and
+the log-probs come from leanbp's chunked head. Streaming the model before handing it to the trainer
+also streams the decoder, but TRL's own head then computes the log-probs (leanbp warns once).
+"""
+
+from __future__ import annotations
+
+from ..engine import StreamConfig, stream
+
+
+def stream_trainer(trainer, chunk_size: int = StreamConfig.chunk_size,
+                   head_chunk_size: int = StreamConfig.head_chunk_size):
+    """Stream ``trainer.model`` and ``trainer.ref_model`` (when the trainer has a separate one).
+    Returns the trainer."""
+    for model in (trainer.model, getattr(trainer, "ref_model", None)):
+        if model is not None:
+            stream(model, chunk_size=chunk_size, head_chunk_size=head_chunk_size)
+    return trainer
+
+
+__all__ = ["stream_trainer"]
