@@ -87,3 +87,39 @@ def relative_errors(reference: nn.Module, candidate: nn.Module) -> dict[str, flo
         diff = (ref_grad - grad).norm().item()
         out[name] = diff / denom if denom > 0 else diff
     return out
+
+
+class _ExactTrlLogProbs:
+    """TRL's ``ChunkedLogProbFunction.apply``, computed from full logits with plain autograd in the
+    input dtype. TRL's own kernel accumulates in fp32 even for a float64 model (~1e-7), so a float64
+    comparison of "the same TRL trainer without leanbp" needs this in its place."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
+              logit_scale=1.0, outputs=("log_probs",)):
+        z = F.linear(hidden, weight, bias) * logit_scale  # (N, V)
+        z = z.to(torch.promote_types(z.dtype, torch.float32))
+        if final_logit_softcapping is not None:
+            z = final_logit_softcapping * torch.tanh(z / final_logit_softcapping)
+        z = z / temperature
+        logp_all = torch.log_softmax(z, -1)
+        logprobs = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1) if "entropy" in outputs else None
+        with torch.no_grad():
+            lss = torch.logsumexp(2 * logp_all, -1) if "log_sum_sq_probs" in outputs else None
+            mean = z.mean(-1) if "mean_logits" in outputs else None
+            top1 = z.argmax(-1) == targets if "is_top1" in outputs else None
+        return logprobs, entropy, lss, mean, top1
+
+
+@contextlib.contextmanager
+def exact_trl_head():
+    """Run TRL's fused LM head through ``_ExactTrlLogProbs`` (float64 stays float64)."""
+    import trl.trainer.utils as trl_utils
+
+    saved = trl_utils._ChunkedLogProbFunction
+    trl_utils._ChunkedLogProbFunction = _ExactTrlLogProbs
+    try:
+        yield
+    finally:
+        trl_utils._ChunkedLogProbFunction = saved

@@ -30,7 +30,8 @@ def fused_head_spec(forward) -> FusedHeadSpec | None:
     """The settings of TRL's fused-head forward ``forward`` (a bound method), or None when it is not one."""
     fn = getattr(forward, "__func__", None)
     code = getattr(fn, "__code__", None)
-    if code is None or fn.__name__ != "_fused_forward" or not (fn.__module__ or "").startswith("trl."):
+    # functools.wraps gave the closure the model's forward's name and module; its code keeps TRL's
+    if code is None or code.co_name != "_fused_forward" or "trl" not in code.co_filename:
         return None
     cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
     if not set(_SETTINGS) <= cells.keys():
