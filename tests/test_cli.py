@@ -77,3 +77,30 @@ def test_bench_writes_table_csv_and_plot(tmp_path, capsys):
     assert (tmp_path / "bench.png").stat().st_size > 0
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert all("error" not in r and r["activations"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("objective", ["sft", "dpo", "grpo"])
+def test_train_objectives_through_trl_on_built_in_data(tmp_path, objective):
+    pytest.importorskip("trl")
+    out = tmp_path / objective
+    args = ["train", "--objective", objective, "--seq-len", "64", "--batch-size", "4", "--steps", "2",
+            "--save-every", "1", "--out", str(out), "--chunk-size", "24", "--completion-len", "8"]
+    assert main(args) == 0
+    rows = (out / "train_log.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows] == ["step", "1", "2"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(out / "checkpoint")
+    assert model.config.model_type == "qwen3" and (out / "loss.png").stat().st_size > 0
+    if objective == "dpo":  # resume continues from the trainer's newest checkpoint
+        assert main([*args[:-8], "--steps", "3", "--save-every", "1", "--out", str(out), "--resume"]) == 0
+        assert [r.split(",")[0] for r in (out / "train_log.csv").read_text().splitlines()] == ["step", "1", "2", "3"]
+
+
+def test_train_objective_rejects_data_in_the_wrong_format(tmp_path, capsys):
+    pytest.importorskip("trl")
+    data = tmp_path / "prefs.jsonl"
+    data.write_text('{"prompt": "a", "chosen": "b"}\n')
+    assert main(["train", "--objective", "dpo", "--data", str(data), "--out", str(tmp_path / "o")]) == 2
+    assert "prompt+chosen+rejected" in capsys.readouterr().err
+    data.write_text('{"prompt": "a", "answer": "b"}\nnot json\n')
+    assert main(["train", "--objective", "grpo", "--data", str(data), "--out", str(tmp_path / "o")]) == 2
+    assert "prefs.jsonl:2: not valid JSON" in capsys.readouterr().err

@@ -1,34 +1,26 @@
 """Training data: the bundled text or a local .txt / .jsonl file, as fixed-length token batches.
 
 Token ids come from a byte-level tokenizer (the built-in model has a 256-token vocabulary, so the
-bundled text needs nothing downloaded) or from a tokenizer saved next to a local model.
+bundled text needs nothing downloaded) or from a tokenizer saved next to a local model. The
+built-in post-training sets (SFT, DPO, GRPO) are made from the same text.
 """
 
 from __future__ import annotations
 
 import json
+import random
+import re
 from pathlib import Path
 
 import torch
 
 from ._builtin import bundled_text
+from ._tokenizer import byte_tokenizer
 from .engine._head import IGNORE_INDEX
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as token ids 0..255; pad id 0 (padding is masked out anyway)."""
-
-    vocab_size = 256
-    pad_token_id = 0
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-
-
 def load_tokenizer(model_dir: str | None, vocab_size: int):
+    """The tokenizer saved next to a local model, else the byte-level one (ids = UTF-8 bytes)."""
     if model_dir is not None and Path(model_dir).is_dir() and any(
         (Path(model_dir) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
     ):
@@ -41,12 +33,10 @@ def load_tokenizer(model_dir: str | None, vocab_size: int):
     if vocab_size < 256:
         raise ValueError(f"the model's vocabulary ({vocab_size}) is too small for byte-level tokens; "
                          "save a tokenizer next to the model")
-    return ByteTokenizer()
+    return byte_tokenizer()
 
 
 def _encode(tokenizer, text: str) -> list[int]:
-    if isinstance(tokenizer, ByteTokenizer):
-        return tokenizer.encode(text)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -68,9 +58,7 @@ class TokenData:
         if path is None:
             self.stream = torch.tensor(_encode(tokenizer, bundled_text()), dtype=torch.long)
         elif path.endswith(".jsonl"):
-            records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-            if not records:
-                raise ValueError(f"{path} has no records")
+            records = read_jsonl(path)
             if all("prompt" in r and "completion" in r for r in records):
                 self.examples = []
                 for r in records:
@@ -101,3 +89,62 @@ class TokenData:
             mask[b, : len(tokens)] = 1
             labels[b, n_prompt: len(tokens)] = torch.tensor(tokens[n_prompt:], dtype=torch.long)
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The records of a .jsonl file: one JSON object per non-empty line (errors name the line)."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+            records.append(record)
+    if not records:
+        raise ValueError(f"{path} has no records")
+    return records
+
+
+def verses() -> list[str]:
+    """The verses of the bundled text, in order."""
+    return [m.group(1) for m in re.finditer(r"^\s+\d+ (.+)$", bundled_text(), flags=re.MULTILINE)]
+
+
+def _split(verse: str) -> tuple[str, str]:
+    """(first half, rest) at a word boundary."""
+    words = verse.split(" ")
+    cut = max(1, len(words) // 2)
+    return " ".join(words[:cut]) + " ", " ".join(words[cut:])
+
+
+def builtin_records(objective: str, seed: int = 0) -> list[dict]:
+    """Post-training data made from the bundled verses, in TRL's dataset formats:
+
+    sft:  {"prompt": first half of a verse, "completion": the rest}
+    dpo:  {"prompt": first half, "chosen": the rest, "rejected": the rest of another verse}
+    grpo: {"prompt": first half, "answer": the rest} (scored by ``continuation_reward``)
+    """
+    halves = [_split(v) for v in verses()]
+    if objective == "sft":
+        return [{"prompt": p, "completion": c} for p, c in halves]
+    if objective == "dpo":
+        others = list(range(len(halves)))
+        random.Random(seed).shuffle(others)
+        return [{"prompt": p, "chosen": c, "rejected": halves[j][1] if j != i else halves[(j + 1) % len(halves)][1]}
+                for i, ((p, c), j) in enumerate(zip(halves, others))]
+    if objective == "grpo":
+        return [{"prompt": p, "answer": c} for p, c in halves]
+    raise ValueError(f"no built-in data for objective {objective!r}")
+
+
+def continuation_reward(completions, answer, **kwargs) -> list[float]:
+    """A rule-based reward in [0, 1]: how closely each completion matches the true continuation
+    (difflib's character similarity ratio over the answer's length)."""
+    import difflib
+
+    return [difflib.SequenceMatcher(None, c[: len(a)], a).ratio() for c, a in zip(completions, answer)]

@@ -24,10 +24,16 @@ from .engine import StreamConfig, stream
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
+OBJECTIVES = ("lm", "sft", "dpo", "grpo")
+
+
 @dataclass
 class TrainConfig:
     model: str | None = None  # local model directory or config.json; None: the built-in model
-    data: str | None = None  # .txt or .jsonl; None: the bundled text
+    data: str | None = None  # .txt or .jsonl; None: the bundled text (or the objective's built-in set)
+    # lm: leanbp's own loop (next-token loss on text, or prompt/completion SFT);
+    # sft | dpo | grpo: TRL's trainers on the streamed model
+    objective: str = "lm"
     out: str = "runs/leanbp-train"
     seq_len: int = 4096
     batch_size: int = 1
@@ -45,12 +51,17 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     resume: bool = False
+    packing: bool = False  # sft: pack examples into padding-free rows
+    group_size: int = 4  # grpo: completions per prompt
+    completion_len: int = 64  # grpo: tokens generated per completion
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "chunk_size", "head_chunk_size",
-                     "save_every"):
+                     "save_every", "group_size", "completion_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.lr <= 0:
@@ -84,13 +95,12 @@ def _lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def save_checkpoint(out: Path, model, optimizer, state: dict) -> Path:
-    """Write the checkpoint to a temporary folder, then swap it in: a crash never leaves a torn one."""
-    final, tmp, old = out / "checkpoint", out / ".checkpoint.tmp", out / ".checkpoint.old"
+def atomic_export(final: Path, write) -> Path:
+    """``write(folder)`` into a temporary folder, then swap it in: a crash never leaves a torn one."""
+    tmp, old = final.with_name(f".{final.name}.tmp"), final.with_name(f".{final.name}.old")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)  # an ordinary transformers checkpoint
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+    tmp.mkdir(parents=True)
+    write(tmp)
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
         os.replace(final, old)
@@ -99,13 +109,24 @@ def save_checkpoint(out: Path, model, optimizer, state: dict) -> Path:
     return final
 
 
+def save_checkpoint(out: Path, model, optimizer, state: dict) -> Path:
+    """An ordinary transformers checkpoint plus the optimizer and the loop's state."""
+
+    def write(folder: Path):
+        model.save_pretrained(folder)
+        torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+        (folder / "trainer_state.json").write_text(json.dumps(state, indent=1))
+
+    return atomic_export(out / "checkpoint", write)
+
+
 def train(cfg: TrainConfig, progress: bool = True) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     dtype, device = DTYPES[cfg.dtype], torch.device(cfg.device)
     ckpt = out / "checkpoint"
     state = {"step": 0, "losses": [], "config": asdict(cfg)}
-    if cfg.resume:
+    if cfg.resume and cfg.objective == "lm":
         if not (ckpt / "trainer_state.json").exists():
             raise FileNotFoundError(f"--resume: no checkpoint in {ckpt}")
         model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=dtype)
@@ -115,6 +136,12 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     model.to(device).train()
     tokenizer = load_tokenizer(cfg.model if not cfg.resume else state["config"]["model"],
                                model.config.vocab_size)
+    if cfg.objective != "lm":
+        if cfg.approx != "none":
+            approx(model, activations=cfg.approx in ("act", "both"), norms=cfg.approx in ("norm", "both"))
+        from ._train_trl import train_trl
+
+        return train_trl(cfg, model, tokenizer, progress=progress)
     data = TokenData(tokenizer, cfg.data, cfg.seq_len, seed=cfg.seed)
     if cfg.approx != "none":
         approx(model, activations=cfg.approx in ("act", "both"), norms=cfg.approx in ("norm", "both"))
@@ -166,11 +193,11 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     finally:
         log.close()
     if state["losses"]:
-        _plot_losses(state["losses"], out / "loss.png")
+        plot_losses(state["losses"], out / "loss.png")
     return state
 
 
-def _plot_losses(losses: list[float], path: Path) -> None:
+def plot_losses(losses: list[float], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -15,7 +15,12 @@ def _add_train(sub):
                                    "a small Qwen3-shaped model (random init, byte-level vocabulary) on the bundled "
                                    "public-domain text at T=4096.")
     p.add_argument("--model", help="local transformers model directory or config.json (default: built-in)")
-    p.add_argument("--data", help="local .txt or .jsonl ('text', or 'prompt'+'completion') (default: bundled text)")
+    p.add_argument("--data", help="lm: local .txt or .jsonl ('text', or 'prompt'+'completion'); sft|dpo|grpo: a .jsonl in "
+                                  "TRL's format (sft: text | prompt+completion | messages; dpo: prompt+chosen+rejected; "
+                                  "grpo: prompt+answer) (default: bundled text / the objective's built-in set)")
+    p.add_argument("--objective", choices=["lm", "sft", "dpo", "grpo"], default="lm",
+                   help="lm: leanbp's own loop; sft | dpo | grpo: TRL's trainer on the streamed model, on built-in "
+                        "data made from the bundled text (needs pip install -e '.[trl]')")
     p.add_argument("--out", default="runs/leanbp-train", help="output folder: checkpoint/, train_log.csv, loss.png")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--batch-size", type=int, default=1)
@@ -33,7 +38,11 @@ def _add_train(sub):
     p.add_argument("--save-every", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint (TRL objectives: from the "
+                                                          "newest OUT/trainer/checkpoint-*)")
+    p.add_argument("--packing", action="store_true", help="sft: pack examples into padding-free rows")
+    p.add_argument("--group-size", type=int, default=4, help="grpo: completions per prompt")
+    p.add_argument("--completion-len", type=int, default=64, help="grpo: tokens generated per completion")
 
 
 def _add_bench(sub):
@@ -74,15 +83,17 @@ def _add_verify(sub):
 def _train(args) -> int:
     from ._train import TrainConfig, train
 
-    cfg = TrainConfig(model=args.model, data=args.data, out=args.out, seq_len=args.seq_len,
+    cfg = TrainConfig(model=args.model, data=args.data, objective=args.objective, out=args.out, seq_len=args.seq_len,
                       batch_size=args.batch_size, grad_accum=args.grad_accum, steps=args.steps, lr=args.lr,
                       dtype=args.dtype, chunk_size=args.chunk_size, head_chunk_size=args.head_chunk_size,
                       stream=not args.no_stream, approx=args.approx, save_every=args.save_every, seed=args.seed,
-                      device=args.device, resume=args.resume)
+                      device=args.device, resume=args.resume, packing=args.packing, group_size=args.group_size,
+                      completion_len=args.completion_len)
     state = train(cfg)
     losses = state["losses"]
     if losses:
-        print(f"step {state['step']}: loss {losses[0]:.4f} -> {losses[-1]:.4f}; checkpoint in {args.out}/checkpoint")
+        print(f"{args.objective} step {state['step']}: loss {losses[0]:.4f} -> {losses[-1]:.4f}; "
+              f"checkpoint in {args.out}/checkpoint")
     return 0
 
 
@@ -140,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return {"train": _train, "bench": _bench, "verify": _verify}[args.command](args)
-    except (ValueError, NotImplementedError, FileNotFoundError) as e:
+    except (ValueError, NotImplementedError, FileNotFoundError, ImportError) as e:
         print(f"leanbp {args.command}: error: {e}", file=sys.stderr)
         return 2
 

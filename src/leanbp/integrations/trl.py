@@ -9,20 +9,31 @@ trainer. ``stream_trainer`` streams the trained model (whatever PEFT did to it) 
 reference model, after that, so leanbp answers the fused-head calls too: the decoder streams and
 the log-probs come from leanbp's chunked head. Streaming the model before handing it to the trainer
 also streams the decoder, but TRL's own head then computes the log-probs (leanbp warns once).
+
+TRL's configs turn activation checkpointing on by default; ``stream_trainer`` turns it off, since
+StreamBP already keeps only each layer's input (a streamed step would ignore it anyway).
 """
 
 from __future__ import annotations
 
 from ..engine import StreamConfig, stream
+from ..engine._stream import causal_lm_of
 
 
 def stream_trainer(trainer, chunk_size: int = StreamConfig.chunk_size,
                    head_chunk_size: int = StreamConfig.head_chunk_size):
-    """Stream ``trainer.model`` and ``trainer.ref_model`` (when the trainer has a separate one).
-    Returns the trainer."""
+    """Stream ``trainer.model`` and ``trainer.ref_model`` (when the trainer has a separate one), and
+    switch the trainer's activation checkpointing off. Returns the trainer."""
+    for name in ("activation_checkpointing", "gradient_checkpointing"):  # transformers 5 keeps both fields
+        if getattr(trainer.args, name, False):
+            setattr(trainer.args, name, False)
     for model in (trainer.model, getattr(trainer, "ref_model", None)):
-        if model is not None:
-            stream(model, chunk_size=chunk_size, head_chunk_size=head_chunk_size)
+        if model is None:
+            continue
+        lm = causal_lm_of(model)
+        if getattr(lm, "is_activation_checkpointing", False):  # enabled while the trainer was built
+            lm.activation_checkpointing_disable()
+        stream(model, chunk_size=chunk_size, head_chunk_size=head_chunk_size)
     return trainer
 
 
