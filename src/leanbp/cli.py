@@ -51,11 +51,13 @@ def _add_bench(sub):
                                    "(Qwen3-shaped, hidden 512, 4 layers, vocab 32000) and prints peak memory, "
                                    "activation memory (peak - params - grads), step time and ratios to gradient "
                                    "checkpointing. Writes bench.csv, bench.json and bench.png to --out.")
-    p.add_argument("--suite", choices=["stream", "approx"], default="stream",
+    p.add_argument("--suite", choices=["stream", "approx", "trl"], default="stream",
                    help="stream: plain vs checkpointing vs leanbp on the Qwen3 bench model; approx: exact vs "
-                        "ReSiLU2 / MS-RMSNorm / both on a Llama-shaped model (batch 4, T 512-2048, full and LoRA)")
+                        "ReSiLU2 / MS-RMSNorm / both on a Llama-shaped model (batch 4, T 512-2048, full and LoRA); "
+                        "trl: TRL's SFT (packed) / DPO / GRPO trainers with checkpointing vs leanbp")
     p.add_argument("--seq-lens", help="comma-separated sequence lengths (stream: 2048,4096,8192,16384; "
-                                      "approx: 512,1024,2048)")
+                                      "approx: 512,1024,2048; trl: per objective, e.g. sft=4096:16384,dpo=8192)")
+    p.add_argument("--timed-steps", type=int, default=3, help="trl suite: steps timed per case (median)")
     p.add_argument("--methods", default="plain,ckpt,leanbp", help="stream suite: comma-separated plain, ckpt, leanbp")
     p.add_argument("--batch", type=int, help="batch size (stream: 1, approx: 4)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "autocast"],
@@ -101,6 +103,17 @@ def _bench(args) -> int:
     from .bench import ApproxBenchCase, BenchCase, run_approx_bench, run_bench
     from .bench._run import format_approx_table, format_table
 
+    if args.suite == "trl":
+        from .bench import TrlBenchCase, run_trl_bench
+        from .bench._run import format_trl_table
+
+        case = TrlBenchCase(timed_steps=args.timed_steps, chunk_size=args.chunk_size,
+                            head_chunk_size=args.head_chunk_size)
+        if args.seq_lens:
+            case.seq_lens = _per_objective(args.seq_lens)
+        print(format_trl_table(run_trl_bench(case, args.out)))
+        print(f"\nwrote {args.out}/bench_trl.csv, bench_trl.json, bench_trl.png")
+        return 0
     seq_lens = [int(x) for x in args.seq_lens.split(",")] if args.seq_lens else None
     if args.suite == "approx":
         case = ApproxBenchCase(**({"seq_lens": seq_lens} if seq_lens else {}),
@@ -116,6 +129,17 @@ def _bench(args) -> int:
     print(format_table(rows))
     print(f"\nwrote {args.out}/bench.csv, bench.json, bench.png")
     return 0
+
+
+def _per_objective(text: str) -> dict[str, list[int]]:
+    """"sft=4096:16384,dpo=8192" -> {"sft": [4096, 16384], "dpo": [8192]}."""
+    out = {}
+    for part in text.split(","):
+        name, _, lengths = part.partition("=")
+        if name not in ("sft", "dpo", "grpo") or not lengths:
+            raise ValueError(f"--seq-lens for the trl suite looks like sft=4096:16384,dpo=8192; got {part!r}")
+        out[name] = [int(x) for x in lengths.split(":")]
+    return out
 
 
 def _verify(args) -> int:

@@ -109,6 +109,101 @@ def run_approx_bench(case: ApproxBenchCase, out_dir: str | Path, progress: bool 
     return rows
 
 
+@dataclass
+class TrlBenchCase:
+    """TRL's SFT (packed), DPO (2 pairs) and GRPO (a group of 4) trainers on the bench model, with
+    their default gradient checkpointing vs streamed by leanbp. The order of the two methods
+    alternates from one sequence length to the next."""
+
+    seq_lens: dict[str, list[int]] = field(default_factory=lambda: {"sft": [4096, 16384], "dpo": [2048, 8192],
+                                                                    "grpo": [2048, 8192]})
+    methods: list[str] = field(default_factory=lambda: ["ckpt", "leanbp"])
+    timed_steps: int = 3
+    chunk_size: int = StreamConfig.chunk_size
+    head_chunk_size: int = StreamConfig.head_chunk_size
+    timeout_s: int = 7200
+
+
+def run_trl_bench(case: TrlBenchCase, out_dir: str | Path, progress: bool = True) -> list[dict]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    specs = []
+    for objective, lengths in case.seq_lens.items():
+        for i, T in enumerate(lengths):
+            order = case.methods if i % 2 == 0 else case.methods[::-1]
+            specs += [{"suite": "trl", "objective": objective, "method": m, "seq_len": T,
+                       "timed_steps": case.timed_steps, "chunk_size": case.chunk_size,
+                       "head_chunk_size": case.head_chunk_size} for m in order]
+    rows = []
+    bar = tqdm(specs, desc="bench trl", disable=not progress, unit="case")
+    for spec in bar:
+        bar.set_postfix_str(f"{spec['objective']} {spec['method']} T={spec['seq_len']}")
+        rows.append(_run_one(spec, case.timeout_s))
+    order = {o: i for i, o in enumerate(case.seq_lens)}
+    rows.sort(key=lambda r: (order[r["objective"]], r["seq_len"], r["method"] != "ckpt"))
+    _add_ratios(rows, "ckpt", is_base=lambda r: r["method"] == "ckpt", group=lambda r: (r["objective"], r["seq_len"]))
+    (out_dir / "bench_trl.json").write_text(json.dumps({"case": asdict(case), "rows": rows}, indent=1))
+    with open(out_dir / "bench_trl.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["objective", "seq_len", "tokens", "method", "act_mib", "step_s", "act_vs_ckpt", "time_vs_ckpt",
+                    "error"])
+        for r in rows:
+            w.writerow([r["objective"], r["seq_len"], r.get("tokens", ""), r["method"],
+                        round(r["activations"] / MiB, 1) if "activations" in r else "",
+                        round(r["step_s"], 3) if "step_s" in r else "",
+                        round(r.get("act_vs_ckpt", float("nan")), 3), round(r.get("time_vs_ckpt", float("nan")), 3),
+                        r.get("error", "")])
+    plot_trl(rows, out_dir / "bench_trl.png")
+    return rows
+
+
+TRL_LABELS = {"sft": "SFT (packed)", "dpo": "DPO (2 pairs)", "grpo": "GRPO (group of 4)"}
+
+
+def format_trl_table(rows: list[dict]) -> str:
+    header = ["trainer", "T", "tokens / step", "method", "activation MiB", "step s", "act / ckpt", "time / ckpt"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        name = TRL_LABELS[r["objective"]]
+        if r.get("error"):
+            lines.append(f"| {name} | {r['seq_len']} | | {r['method']} | {r['error']} | | | |")
+            continue
+        lines.append(f"| {name} | {r['seq_len']} | {r['tokens']} | {r['method']} | {r['activations'] / MiB:.1f} | "
+                     f"{r['step_s']:.1f} | {r.get('act_vs_ckpt', float('nan')):.3f} | "
+                     f"{r.get('time_vs_ckpt', float('nan')):.3f} |")
+    return "\n".join(lines)
+
+
+def plot_trl(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    objectives = list(dict.fromkeys(r["objective"] for r in rows))
+    fig, axes = plt.subplots(2, len(objectives), figsize=(4.2 * len(objectives), 6.5), squeeze=False)
+    for col, objective in enumerate(objectives):
+        for method, style in (("ckpt", "o--"), ("leanbp", "o-")):
+            ok = sorted((r for r in rows if r["objective"] == objective and r["method"] == method and "error" not in r),
+                        key=lambda r: r["seq_len"])
+            T = [r["seq_len"] for r in ok]
+            label = "TRL + gradient checkpointing" if method == "ckpt" else "TRL + leanbp"
+            axes[0][col].plot(T, [r["activations"] / MiB for r in ok], style, label=label)
+            axes[1][col].plot(T, [r["step_s"] for r in ok], style, label=label)
+        axes[0][col].set_title(TRL_LABELS[objective], fontsize=10)
+        axes[0][col].set_ylabel("activation MiB (peak - params - grads)")
+        axes[1][col].set_ylabel("backprop step s (median)")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("sequence length T")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 APPROX_LABELS = {"none": "exact", "act": "ReSiLU2 only", "norm": "MS-RMSNorm only", "both": "ReSiLU2 + MS-RMSNorm"}
 
 

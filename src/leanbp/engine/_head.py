@@ -202,6 +202,11 @@ class _Rows:
                        for p in self.trainable], owned=True)
 
 
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum_v a[i, v] * b[i, v] per row, without an (n, V) product (a batched matmul reads both in place)."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
 def _backward_once(ctx, name: str) -> None:
     if getattr(ctx, "consumed", False):
         raise RuntimeError(
@@ -303,11 +308,13 @@ class ChunkedTokenStatsFunction(torch.autograd.Function):
                 out["mean_logits"][idx] = z.mean(-1)
             if "is_top1" in out:
                 out["is_top1"][idx] = z.argmax(-1) == targets  # argmax: the first maximum
-            if "log_sum_sq_probs" in out:
-                out["log_sum_sq_probs"][idx] = torch.logsumexp(2 * z, dim=-1) - 2 * lse
-            if "entropy" in out:
-                # H = lse - sum_v p_v z_v
-                out["entropy"][idx] = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)
+            if "entropy" in out or "log_sum_sq_probs" in out:
+                p = torch.sub(z, lse[:, None]).exp_()  # (n, V) softmax: the only temporary
+                if "entropy" in out:
+                    out["entropy"][idx] = lse - _rowdot(p, z)  # H = lse - sum_v p_v z_v
+                if "log_sum_sq_probs" in out:
+                    out["log_sum_sq_probs"][idx] = _rowdot(p, p).log()
+                del p
             del z
         ctx.run = run
         ctx.hidden_shape = hidden.shape
