@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
-import os
-import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -15,6 +15,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
+from . import _checkpoint as checkpoints
 from . import memory
 from ._builtin import TRAIN_QWEN3, build_model, qwen3_config
 from ._data import TokenData, load_tokenizer
@@ -54,14 +55,23 @@ class TrainConfig:
     packing: bool = False  # sft: pack examples into padding-free rows
     group_size: int = 4  # grpo: completions per prompt
     completion_len: int = 64  # grpo: tokens generated per completion
+    keep: int = 2  # checkpoints kept
+    overwrite: bool = False  # replace a previous run in `out`
+    skip_nonfinite: bool = False  # skip a step whose loss or gradient is not finite, instead of stopping
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if self.warmup < 0:
+            raise ValueError("warmup must be >= 0")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "chunk_size", "head_chunk_size",
-                     "save_every", "group_size", "completion_len"):
+                     "save_every", "group_size", "completion_len", "keep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.lr <= 0:
@@ -95,47 +105,89 @@ def _lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def atomic_export(final: Path, write) -> Path:
-    """``write(folder)`` into a temporary folder, then swap it in: a crash never leaves a torn one."""
-    tmp, old = final.with_name(f".{final.name}.tmp"), final.with_name(f".{final.name}.old")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write(tmp)
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-    return final
+class NonFiniteError(RuntimeError):
+    """A training step produced a loss or gradient that is not finite."""
 
 
-def save_checkpoint(out: Path, model, optimizer, state: dict) -> Path:
-    """An ordinary transformers checkpoint plus the optimizer and the loop's state."""
+def _device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name!r}: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this PyTorch has no CUDA device (torch {torch.__version__})")
+    return device
+
+
+def _prepare_out(cfg: TrainConfig) -> Path:
+    """The run folder: refuse to overwrite a run silently, or to resume it with other settings."""
+    out = Path(cfg.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:
+        raise ValueError(f"--out {cfg.out}: cannot make a folder there ({e.strerror})") from None
+    saved = checkpoints.read_run(out)
+    if cfg.resume:
+        if saved is None:
+            raise FileNotFoundError(f"--resume: no run in {out}")
+        checkpoints.check_resumable(saved, asdict(cfg))
+    elif checkpoints.has_run(out):
+        if not cfg.overwrite:
+            done = checkpoints.latest(out)
+            at = f" (checkpoint at step {int(done.name.split('-')[1])})" if done else ""
+            raise ValueError(f"{out} already holds a run{at}; pass --resume to continue it, --overwrite to replace "
+                             "it, or another --out")
+        checkpoints.clear_run(out)
+    return out
+
+
+def record_run(out: Path, cfg: TrainConfig) -> None:
+    """Written once the model and data have loaded, so that a run that never started leaves none."""
+    checkpoints.write_atomic(out / checkpoints.RUN, json.dumps(asdict(cfg), indent=1))
+
+
+def save_checkpoint(out: Path, model, optimizer, state: dict, keep: int) -> Path:
+    """An ordinary transformers checkpoint plus the optimizer and the loop's state, crash-safe."""
+    for name, p in model.named_parameters():  # a non-finite weight never reaches a checkpoint
+        if not torch.isfinite(p).all():
+            raise NonFiniteError(f"step {state['step']}: parameter {name} is not finite; not saving a checkpoint")
 
     def write(folder: Path):
         model.save_pretrained(folder)
         torch.save(optimizer.state_dict(), folder / "optimizer.pt")
         (folder / "trainer_state.json").write_text(json.dumps(state, indent=1))
 
-    return atomic_export(out / "checkpoint", write)
+    return checkpoints.save(out, state["step"], write, keep)
+
+
+def _log_upto(path: Path, step: int, header: list[str]) -> None:
+    """Keep the log rows of steps <= ``step`` (rows written after the last checkpoint are redone)."""
+    rows = list(csv.reader(path.open())) if path.exists() else []
+    kept = [header] + [r for r in rows[1:] if r and r[0].isdigit() and int(r[0]) <= step]
+    buffer = io.StringIO()
+    csv.writer(buffer).writerows(kept)
+    checkpoints.write_atomic(path, buffer.getvalue())
+
+
+LOG_HEADER = ["step", "loss", "lr", "tokens_per_s", "peak_mib", "activation_mib"]
 
 
 def train(cfg: TrainConfig, progress: bool = True) -> dict:
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    dtype, device = DTYPES[cfg.dtype], torch.device(cfg.device)
-    ckpt = out / "checkpoint"
-    state = {"step": 0, "losses": [], "config": asdict(cfg)}
-    if cfg.resume and cfg.objective == "lm":
-        if not (ckpt / "trainer_state.json").exists():
-            raise FileNotFoundError(f"--resume: no checkpoint in {ckpt}")
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=dtype)
-        state = json.loads((ckpt / "trainer_state.json").read_text())
+    device = _device(cfg.device)
+    out = _prepare_out(cfg)
+    dtype = DTYPES[cfg.dtype]
+    state = {"step": 0, "losses": [], "skipped": [], "config": asdict(cfg)}
+    resume_from = checkpoints.latest(out) if cfg.resume and cfg.objective == "lm" else None
+    if cfg.resume and cfg.objective == "lm" and resume_from is None:
+        raise FileNotFoundError(f"--resume: no complete checkpoint in {out / checkpoints.FOLDER}")
+    if resume_from is not None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(resume_from), dtype=dtype)
+        state = json.loads((resume_from / "trainer_state.json").read_text())
+        state.setdefault("skipped", [])
     else:
         model = load_model(cfg.model, cfg.seq_len, dtype, cfg.seed)
     model.to(device).train()
-    tokenizer = load_tokenizer(cfg.model if not cfg.resume else state["config"]["model"],
-                               model.config.vocab_size)
+    tokenizer = load_tokenizer(cfg.model, model.config.vocab_size)
     if cfg.objective != "lm":
         if cfg.approx != "none":
             approx(model, activations=cfg.approx in ("act", "both"), norms=cfg.approx in ("norm", "both"))
@@ -149,15 +201,14 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
         stream(model, chunk_size=cfg.chunk_size, head_chunk_size=cfg.head_chunk_size)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    if cfg.resume:
-        optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location=device))
+    if resume_from is not None:
+        optimizer.load_state_dict(torch.load(resume_from / "optimizer.pt", map_location=device))
+    record_run(out, cfg)
 
-    log_path = out / "train_log.csv"
-    new_log = not (cfg.resume and log_path.exists())
-    log = open(log_path, "w" if new_log else "a", newline="")
+    log_path = out / checkpoints.LOG
+    _log_upto(log_path, state["step"], LOG_HEADER)
+    log = open(log_path, "a", newline="")
     writer = csv.writer(log)
-    if new_log:
-        writer.writerow(["step", "loss", "lr", "tokens_per_s", "peak_mib", "activation_mib"])
     bar = tqdm(range(state["step"], cfg.steps), initial=state["step"], total=cfg.steps, disable=not progress,
                desc="leanbp train", unit="step")
     try:
@@ -170,26 +221,34 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
             n_items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
             t0 = time.perf_counter()
             loss_sum = 0.0
-            with memory.track(model, device=device) as mem:
-                for b in batches:
-                    b = {k: v.to(device) for k, v in b.items()}
-                    loss = model(**b, num_items_in_batch=torch.tensor(n_items, device=device)).loss
-                    loss.backward()
-                    loss_sum += loss.item()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            if n_items:
+                with memory.track(model, device=device) as mem:
+                    for b in batches:
+                        b = {k: v.to(device) for k, v in b.items()}
+                        loss = model(**b, num_items_in_batch=torch.tensor(n_items, device=device)).loss
+                        loss.backward()
+                        loss_sum += loss.item()
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
+            skip = _skip_reason(step, n_items, loss_sum, grad_norm if n_items else 0.0, cfg.skip_nonfinite)
+            if skip:
+                optimizer.zero_grad(set_to_none=True)
+                state["skipped"].append(step + 1)
+                tqdm.write(skip, file=sys.stderr)
+            else:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
             seconds = time.perf_counter() - t0
             tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-            report = mem.report.as_mib()
+            report = mem.report.as_mib() if n_items else {"peak": float("nan"), "activations": float("nan")}
+            loss_value = loss_sum if not skip else float("nan")
             state["step"] = step + 1
-            state["losses"].append(loss_sum)
-            writer.writerow([step + 1, f"{loss_sum:.5f}", f"{lr:.3e}", f"{tokens / seconds:.1f}",
+            state["losses"].append(loss_value)
+            writer.writerow([step + 1, f"{loss_value:.5f}", f"{lr:.3e}", f"{tokens / seconds:.1f}",
                              f"{report['peak']:.1f}", f"{report['activations']:.1f}"])
             log.flush()
-            bar.set_postfix(loss=f"{loss_sum:.4f}", tok_s=f"{tokens / seconds:.0f}", peak_mib=f"{report['peak']:.0f}")
+            bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens / seconds:.0f}", peak_mib=f"{report['peak']:.0f}")
             if state["step"] % cfg.save_every == 0 or state["step"] == cfg.steps:
-                save_checkpoint(out, model, optimizer, state)
+                save_checkpoint(out, model, optimizer, state, cfg.keep)
     finally:
         log.close()
     if state["losses"]:
@@ -197,14 +256,29 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     return state
 
 
+def _skip_reason(step: int, n_items: int, loss: float, grad_norm: float, skip_nonfinite: bool) -> str | None:
+    """Why this step makes no update (None: it does); raises on a non-finite step unless told to skip."""
+    if not n_items:
+        return (f"step {step + 1}: no labelled token in this step's batches (prompts longer than --seq-len, or "
+                "empty completions?); skipped, the weights are unchanged")
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return None
+    what = f"loss {loss} and gradient norm {grad_norm}"
+    if skip_nonfinite:
+        return f"step {step + 1}: {what}: not finite; skipped (--skip-nonfinite), the weights are unchanged"
+    raise NonFiniteError(f"step {step + 1}: {what}: not finite. Stopped before the optimizer step: the weights and "
+                         "the last checkpoint are intact. Lower --lr, or pass --skip-nonfinite to skip such steps.")
+
+
 def plot_losses(losses: list[float], path: Path) -> None:
+    """Loss against step (skipped steps are gaps)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(losses) + 1), losses)
+    ax.plot(range(1, len(losses) + 1), losses, marker="." if len(losses) < 50 else None)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.grid(True, alpha=0.3)

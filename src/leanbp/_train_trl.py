@@ -3,8 +3,8 @@
 The data is the built-in set for the objective (made from the bundled text, see
 ``_data.builtin_records``) or a local .jsonl in TRL's formats. TRL's trainer runs the loop (its
 progress bar, its checkpoints under ``OUT/trainer/checkpoint-<step>``, ``--resume`` continues from
-the newest); at the end the model is exported to ``OUT/checkpoint`` as an ordinary transformers
-checkpoint, the losses to ``OUT/train_log.csv`` and ``OUT/loss.png``.
+the newest); at the end the model is exported (crash-safe, see ``_checkpoint``) to
+``OUT/checkpoint`` as an ordinary transformers checkpoint, the losses to ``OUT/train_log.csv`` and ``OUT/loss.png``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def _trl():
 
 def train_trl(cfg, model, tokenizer, progress: bool = True) -> dict:
     """Train ``model`` with the TRL trainer of ``cfg.objective``; returns {"step", "losses"}."""
-    from ._train import atomic_export, plot_losses
+    from . import _checkpoint as checkpoints
+    from ._train import plot_losses, record_run
     from .integrations.trl import stream_trainer
 
     trl, datasets = _trl()
@@ -79,17 +80,19 @@ def train_trl(cfg, model, tokenizer, progress: bool = True) -> dict:
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, **extra)
     if cfg.stream:
         stream_trainer(trainer, chunk_size=cfg.chunk_size, head_chunk_size=cfg.head_chunk_size)
-    checkpoints = sorted((out / "trainer").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-    if cfg.resume and not checkpoints:
+    trainer_checkpoints = sorted((out / "trainer").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    if cfg.resume and not trainer_checkpoints:
         raise FileNotFoundError(f"--resume: no checkpoint in {out / 'trainer'}")
-    trainer.train(resume_from_checkpoint=str(checkpoints[-1]) if cfg.resume else None)
+    record_run(out, cfg)
+    trainer.train(resume_from_checkpoint=str(trainer_checkpoints[-1]) if cfg.resume else None)
 
     losses = [(row["step"], row["loss"]) for row in trainer.state.log_history if "loss" in row and "step" in row]
     with open(out / "train_log.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["step", "loss"])
         writer.writerows(losses)
-    atomic_export(out / "checkpoint", lambda tmp: (trainer.save_model(str(tmp)), tokenizer.save_pretrained(tmp)))
+    checkpoints.save(out, trainer.state.global_step,
+                     lambda folder: (trainer.save_model(str(folder)), tokenizer.save_pretrained(folder)), cfg.keep)
     if losses:
         plot_losses([loss for _, loss in losses], out / "loss.png")
     return {"step": trainer.state.global_step, "losses": [loss for _, loss in losses]}

@@ -6,6 +6,7 @@ import argparse
 import sys
 import warnings
 
+from ._train import NonFiniteError
 from .engine import StreamConfig
 
 
@@ -21,12 +22,15 @@ def _add_train(sub):
     p.add_argument("--objective", choices=["lm", "sft", "dpo", "grpo"], default="lm",
                    help="lm: leanbp's own loop; sft | dpo | grpo: TRL's trainer on the streamed model, on built-in "
                         "data made from the bundled text (needs pip install -e '.[trl]')")
-    p.add_argument("--out", default="runs/leanbp-train", help="output folder: checkpoint/, train_log.csv, loss.png")
+    p.add_argument("--out", default="runs/leanbp-train",
+                   help="run folder: checkpoints/step-*/ (checkpoint -> the newest), train_log.csv, loss.png, run.json")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=5, help="linear warmup steps, then cosine decay to 10%% of --lr")
+    p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp64"], default="fp32")
     p.add_argument("--chunk-size", type=int, default=StreamConfig.chunk_size, help="rows per chunk in a decoder layer")
     p.add_argument("--head-chunk-size", type=int, default=StreamConfig.head_chunk_size,
@@ -38,8 +42,12 @@ def _add_train(sub):
     p.add_argument("--save-every", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint (TRL objectives: from the "
-                                                          "newest OUT/trainer/checkpoint-*)")
+    p.add_argument("--resume", action="store_true", help="continue the run in OUT from its newest complete checkpoint "
+                                                          "(TRL objectives: the newest OUT/trainer/checkpoint-*)")
+    p.add_argument("--overwrite", action="store_true", help="replace a previous run in OUT (else: an error)")
+    p.add_argument("--keep", type=int, default=2, help="checkpoints kept in OUT/checkpoints")
+    p.add_argument("--skip-nonfinite", action="store_true",
+                   help="skip a step whose loss or gradient is not finite (default: stop with an error)")
     p.add_argument("--packing", action="store_true", help="sft: pack examples into padding-free rows")
     p.add_argument("--group-size", type=int, default=4, help="grpo: completions per prompt")
     p.add_argument("--completion-len", type=int, default=64, help="grpo: tokens generated per completion")
@@ -87,10 +95,12 @@ def _train(args) -> int:
 
     cfg = TrainConfig(model=args.model, data=args.data, objective=args.objective, out=args.out, seq_len=args.seq_len,
                       batch_size=args.batch_size, grad_accum=args.grad_accum, steps=args.steps, lr=args.lr,
+                      warmup=args.warmup, weight_decay=args.weight_decay,
                       dtype=args.dtype, chunk_size=args.chunk_size, head_chunk_size=args.head_chunk_size,
                       stream=not args.no_stream, approx=args.approx, save_every=args.save_every, seed=args.seed,
                       device=args.device, resume=args.resume, packing=args.packing, group_size=args.group_size,
-                      completion_len=args.completion_len)
+                      completion_len=args.completion_len, keep=args.keep, overwrite=args.overwrite,
+                      skip_nonfinite=args.skip_nonfinite)
     state = train(cfg)
     losses = state["losses"]
     if losses:
@@ -178,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, NotImplementedError, FileNotFoundError, ImportError) as e:
         print(f"leanbp {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:
+        print(f"leanbp {args.command}: stopped: {e}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":
