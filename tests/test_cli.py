@@ -169,3 +169,24 @@ def test_a_diverging_run_stops_before_a_non_finite_checkpoint(tmp_path, capsys):
     for folder in (out / "checkpoints").glob("step-*"):
         model = transformers.AutoModelForCausalLM.from_pretrained(folder)
         assert all(torch.isfinite(p).all() for p in model.parameters()), folder.name
+
+
+def test_verify_rejects_settings_that_check_nothing(capsys):
+    assert main(["verify", "--seq-len", "1"]) == 2
+    assert "too short" in capsys.readouterr().err
+    assert main(["verify", "--batch", "0"]) == 2
+    assert "--batch must be >= 1" in capsys.readouterr().err
+
+
+def test_train_rejects_unusable_inputs(tmp_path, capsys):
+    cases = [
+        (["--data", str(tmp_path)], "is a folder"),
+        (["--out", str(tmp_path / "file.txt" / "run")], "cannot make a folder"),
+        (["--device", "cuda"], "no CUDA device"),
+        (["--lr", "inf"], "lr must be a finite number"),
+    ]
+    (tmp_path / "file.txt").write_text("x")
+    for extra, message in cases:
+        args = [*TINY, "--steps", "1", "--out", str(tmp_path / "o"), *extra]
+        assert main(args) == 2, extra
+        assert message in capsys.readouterr().err, extra

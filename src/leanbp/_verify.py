@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +33,11 @@ def verify(model, seq_len: int = 96, batch: int = 3, chunk_size: int = 17, head_
 
     Returns {"loss": relative loss error, "groups": {group: max relative error}, "params": {...}}.
     """
+    if seq_len < 8:
+        raise ValueError(f"--seq-len {seq_len} is too short to check anything: use at least 8 (left padding, a "
+                         "prompt and labelled tokens)")
+    if batch < 1:
+        raise ValueError(f"--batch must be >= 1, got {batch}")
     model = model.to(torch.float64).train()
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq_len), generator=g)
@@ -48,3 +54,110 @@ def verify(model, seq_len: int = 96, batch: int = 3, chunk_size: int = 17, head_
     for name, err in params.items():
         groups[group_of(name)] = max(groups.get(group_of(name), 0.0), err)
     return {"loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), "groups": groups, "params": params}
+
+
+# -- random exactness cases (property tests in CI, a larger run in benchmarks/) --------------------
+
+@dataclass(frozen=True)
+class ExactCase:
+    """One float64 exactness check: a tiny model of ``family`` and a batch drawn to hit edge cases."""
+
+    family: str
+    batch: int
+    seq_len: int
+    padding: str  # left | right | none | packed
+    pads: tuple[int, ...]  # padding per row (left/right), or document lengths of every row (packed)
+    prompt: int  # labels before this row are -100 (the prompt boundary)
+    chunk_size: int
+    head_chunk_size: int
+    tied: bool
+    window: int | None  # sliding window (mistral: every layer; qwen2/qwen3: the second layer)
+    seed: int = 0
+
+
+_CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+
+
+def case_model(case: ExactCase):
+    import transformers
+
+    kwargs = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=case.tied,
+                  attn_implementation="sdpa")
+    if case.family == "mistral":
+        kwargs["sliding_window"] = case.window
+    elif case.family in ("qwen2", "qwen3") and case.window is not None:
+        kwargs.update(use_sliding_window=True, sliding_window=case.window, max_window_layers=1)
+    config = getattr(transformers, _CONFIGS[case.family])(**kwargs)
+    torch.manual_seed(case.seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+    with torch.no_grad():  # random norms and biases, so that a wrong term shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.3)
+    return model.train()
+
+
+def case_batch(case: ExactCase):
+    """(inputs, labels) of ``case``; inputs have an attention_mask, or position_ids when packed."""
+    g = torch.Generator().manual_seed(case.seed + 1)
+    B, T = case.batch, case.seq_len
+    ids = torch.randint(0, 61, (B, T), generator=g)
+    labels = ids.clone()
+    labels[:, : case.prompt] = -100
+    if case.padding == "packed":
+        pos = torch.cat([torch.arange(n) for n in case.pads])[None].expand(B, T).contiguous()
+        return {"input_ids": ids, "position_ids": pos, "use_cache": False}, labels
+    mask = torch.ones(B, T, dtype=torch.long)
+    for b, n in enumerate(case.pads):
+        if n and case.padding == "left":
+            mask[b, :n] = 0
+        elif n and case.padding == "right":
+            mask[b, T - n:] = 0
+    labels[mask == 0] = -100
+    return {"input_ids": ids, "attention_mask": mask}, labels
+
+
+def check_case(case: ExactCase) -> float:
+    """The worst relative error (loss and every parameter gradient), leanbp vs plain autograd."""
+    model = case_model(case)
+    inputs, labels = case_batch(case)
+    stream_inputs = {k: v for k, v in inputs.items() if k != "use_cache"}
+    reference, ref_loss, loss = streamed_vs_plain(
+        model, labels, stream_inputs, dict(chunk_size=case.chunk_size, head_chunk_size=case.head_chunk_size),
+        ref_inputs=inputs)
+    errors = relative_errors(reference, model)
+    if not errors:
+        raise AssertionError(f"no gradients compared for {case}")
+    return max(abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), *errors.values())
+
+
+def exact_cases():
+    """A hypothesis strategy of ``ExactCase`` (hypothesis is a test dependency, imported here)."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def draw(draw):
+        family = draw(st.sampled_from(sorted(_CONFIGS)))
+        B = draw(st.integers(1, 3))
+        T = draw(st.integers(3, 40))
+        padding = draw(st.sampled_from(["left", "right", "none", "packed"]))
+        if padding == "packed":
+            cuts = sorted(draw(st.sets(st.integers(1, T - 1), max_size=4)))
+            pads = tuple(b - a for a, b in zip([0, *cuts], [*cuts, T]))
+        elif padding == "none":
+            pads = (0,) * B
+        else:  # at least one real token per row; one row may be unpadded
+            pads = tuple(draw(st.integers(0, T - 2)) for _ in range(B))
+        prompt = draw(st.integers(0, T - 2))
+        # at least one labelled row after the shift, in some row
+        lengths = [T - p for p in pads] if padding in ("left", "right") else [T] * B
+        starts = list(pads) if padding == "left" else [0] * B
+        if not any(max(prompt, s) + 1 < s + n for s, n in zip(starts, lengths)):
+            prompt = 0
+        window = draw(st.one_of(st.none(), st.integers(1, T + 2))) if family != "llama" else None
+        return ExactCase(family=family, batch=B, seq_len=T, padding=padding, pads=pads, prompt=prompt,
+                         chunk_size=draw(st.integers(1, T + 3)), head_chunk_size=draw(st.integers(1, 2 * T)),
+                         tied=draw(st.booleans()), window=window, seed=draw(st.integers(0, 2**16)))
+
+    return draw()
