@@ -177,9 +177,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     out = _prepare_out(cfg)
     dtype = DTYPES[cfg.dtype]
     state = {"step": 0, "losses": [], "skipped": [], "config": asdict(cfg)}
+    # a run that died before its first checkpoint starts again from step 0, with its own settings
     resume_from = checkpoints.latest(out) if cfg.resume and cfg.objective == "lm" else None
-    if cfg.resume and cfg.objective == "lm" and resume_from is None:
-        raise FileNotFoundError(f"--resume: no complete checkpoint in {out / checkpoints.FOLDER}")
     if resume_from is not None:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(resume_from), dtype=dtype)
         state = json.loads((resume_from / "trainer_state.json").read_text())
