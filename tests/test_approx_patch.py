@@ -166,3 +166,67 @@ def test_unsupported_family_is_named():
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     with pytest.raises(NotImplementedError, match="gpt2"):
         approx(model)
+
+
+# -- exact round trips and conversions (issue: dtype/device mixing, 1-ulp losses) ------------------
+
+def _small_gamma_model(dtype):
+    model = tiny_model("llama", dtype=torch.float32)
+    with torch.no_grad():  # small gammas: the case where fold/unfold by division loses most
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.01, 0.08)
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_unapprox_restores_every_weight_bit_for_bit(dtype):
+    model = _small_gamma_model(dtype)
+    original = copy.deepcopy(model.state_dict())
+    approx(model)
+    unapprox(model)
+    for name, value in model.state_dict().items():
+        assert value.dtype == original[name].dtype and torch.equal(value, original[name]), name
+
+
+def test_cast_after_approx_is_the_cast_of_the_original(tmp_path):
+    """approx, then model.to(float64): unapprox and save_pretrained give what .to(float64) of the
+    original model gives, every tensor float64 (the kept norms follow the cast)."""
+    model = _small_gamma_model(torch.float32)
+    expected = copy.deepcopy(model).to(torch.float64).state_dict()
+    approx(model)
+    model.to(torch.float64)
+    model.save_pretrained(tmp_path)
+    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).state_dict()
+    unapprox(model)
+    for name, value in expected.items():
+        got = model.state_dict()[name]
+        assert got.dtype == torch.float64 and torch.equal(got, value), name
+        assert torch.equal(saved[name], value), name
+
+
+def test_trained_weights_are_unfolded_by_division():
+    model = tiny_model("llama")
+    batch = make_batch()
+    approx(model)
+    ids, mask, labels = batch
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.sub_(0.1 * p.grad)
+    expected = _logits(model, batch)
+    unapprox(model)
+    torch.testing.assert_close(_logits(model, batch), expected, rtol=1e-10, atol=1e-10)
+
+
+def test_approximated_model_pickles(tmp_path):
+    model = tiny_model("llama")
+    approx(model)
+    torch.save(model, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert leanbp.is_approximated(loaded)
+    batch = make_batch()
+    torch.testing.assert_close(_logits(loaded, batch), _logits(model, batch), rtol=0, atol=0)
+    unapprox(loaded)
+    assert type(loaded.model.layers[0].input_layernorm).__name__ == "LlamaRMSNorm"

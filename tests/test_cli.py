@@ -152,14 +152,30 @@ def test_resume_after_a_crash_inside_the_checkpoint_swap(tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000003", "step-00000004"]
 
 
-def test_a_step_without_labels_is_skipped_not_poisoning(tmp_path, capsys):
+def test_sft_examples_without_completion_tokens_are_left_out(tmp_path, capsys):
+    """An example whose prompt fills --seq-len would make a step without labels (NaN in plain
+    transformers' loss): it is left out with a warning; with none left, a clear error."""
     data = tmp_path / "sft.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": "x" * 80, "completion": "y"}) for _ in range(4)))
+    rows = [{"prompt": "x" * 80, "completion": "y"}] * 3 + [{"prompt": "q: ", "completion": "an answer"}]
+    data.write_text("\n".join(json.dumps(r) for r in rows))
     out = tmp_path / "run"
-    assert main([*TINY, "--data", str(data), "--steps", "2", "--out", str(out)]) == 0
-    assert "no labelled token" in capsys.readouterr().err
+    with pytest.warns(UserWarning, match="3 of 4 examples have no completion token"):
+        assert main([*TINY, "--data", str(data), "--steps", "2", "--out", str(out)]) == 0
     model = transformers.AutoModelForCausalLM.from_pretrained(out / "checkpoint")
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    data.write_text("\n".join(json.dumps(r) for r in rows[:3]))
+    assert main([*TINY, "--data", str(data), "--steps", "2", "--out", str(tmp_path / "none")]) == 2
+    assert "no example has a completion token" in capsys.readouterr().err
+
+
+def test_a_step_without_labels_or_with_a_non_finite_loss_makes_no_update():
+    from leanbp._train import NonFiniteError, _skip_reason
+
+    assert "no labelled token" in _skip_reason(0, n_items=0, loss=0.0, grad_norm=0.0, skip_nonfinite=False)
+    assert _skip_reason(0, n_items=5, loss=1.0, grad_norm=2.0, skip_nonfinite=False) is None
+    assert "skipped" in _skip_reason(0, n_items=5, loss=float("nan"), grad_norm=2.0, skip_nonfinite=True)
+    with pytest.raises(NonFiniteError, match="not finite"):
+        _skip_reason(0, n_items=5, loss=1.0, grad_norm=float("inf"), skip_nonfinite=False)
 
 
 def test_a_diverging_run_stops_before_a_non_finite_checkpoint(tmp_path, capsys):
@@ -190,3 +206,19 @@ def test_train_rejects_unusable_inputs(tmp_path, capsys):
         args = [*TINY, "--steps", "1", "--out", str(tmp_path / "o"), *extra]
         assert main(args) == 2, extra
         assert message in capsys.readouterr().err, extra
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--seq-lens", ""], "seq_lens is empty"),
+    (["--seq-lens", "0"], "positive integers"),
+    (["--seq-lens", "-8"], "positive integers"),
+    (["--seq-lens", "abc"], "takes integers"),
+    (["--methods", "bogus"], "choose from"),
+    (["--chunk-size", "0"], "chunk_size must be a positive integer"),
+    (["--suite", "approx", "--batch", "0"], "batch must be a positive integer"),
+    (["--suite", "trl", "--seq-lens", "ppo=128"], "looks like sft="),
+])
+def test_bench_rejects_bad_settings_before_running(tmp_path, capsys, args, message):
+    assert main(["bench", *args, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "bench.csv").exists()

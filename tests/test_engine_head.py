@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import leanbp
 from conftest import tiny_model
@@ -123,3 +124,34 @@ def test_backward_twice_names_the_cause():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="ran twice"):
         loss.backward()
+
+
+def test_a_hand_written_dpo_loss_on_token_log_probs_is_exact():
+    """Objectives on top of the streamed decoder: a sigmoid DPO loss from leanbp.token_log_probs
+    (policy with gradients, reference without) equals the same loss from full logits."""
+    policy, reference_policy = tiny_model("qwen3"), tiny_model("qwen3", seed=1)
+    plain = copy.deepcopy(policy)
+    ids, mask, labels = make_batch(B=4, padding="right")  # rows 0, 1 chosen; rows 2, 3 rejected
+
+    def dpo(logps, ref_logps, beta=0.1):
+        margin = (logps[:2] - ref_logps[:2]) - (logps[2:] - ref_logps[2:])
+        return -F.logsigmoid(beta * margin).mean()
+
+    def full_logps(model):  # plain transformers: full (B, T, V) logits
+        targets = shift_labels(labels)
+        logp = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits, -1)
+        return (logp.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1) * (targets != -100)).sum(-1)
+
+    with full_precision_norms(plain, policy, reference_policy):
+        with torch.no_grad():
+            ref_logps = full_logps(reference_policy)
+        dpo(full_logps(plain), ref_logps).backward()
+        leanbp.stream(policy, chunk_size=7, head_chunk_size=5)
+        leanbp.stream(reference_policy, chunk_size=7, head_chunk_size=5)
+        with torch.no_grad():
+            stream_ref = leanbp.token_log_probs(reference_policy, labels, input_ids=ids, attention_mask=mask)
+        torch.testing.assert_close(stream_ref["log_probs"].sum(-1), ref_logps, rtol=1e-12, atol=1e-12)
+        logps = leanbp.token_log_probs(policy, labels, input_ids=ids, attention_mask=mask)["log_probs"]
+        dpo(logps.sum(-1), stream_ref["log_probs"].sum(-1)).backward()
+    errs = relative_errors(plain, policy)
+    assert errs and max(errs.values()) <= TOL

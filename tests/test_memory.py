@@ -44,3 +44,21 @@ def test_module_called_many_times_with_backward():
     assert r.peak >= r.params + 4 * 8_192
     assert r.activations > 0
     assert set(r.as_mib()) == {"peak", "params", "grads", "activations"}
+
+
+def test_a_module_without_parameters_is_measured_on_cpu():
+    with leanbp.memory.track(nn.Identity()) as mem:
+        x = torch.empty(1000)
+        del x
+    assert mem.report.params == 0 and mem.report.peak == 4000
+
+
+def test_gradients_freed_inside_the_block_still_count_as_gradients():
+    lin = nn.Linear(100, 100, bias=False)  # 40_000 B of params, 40_000 B of gradient
+    x = torch.randn(8, 100)
+    with leanbp.memory.track(lin) as mem:
+        lin(x).sum().backward()
+        lin.zero_grad(set_to_none=True)  # as an optimizer loop does inside the step
+    r = mem.report
+    assert r.grads == 40_000
+    assert r.activations == r.peak - 80_000 and r.activations < 40_000

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -55,23 +56,40 @@ class TokenData:
         self.pad_id = getattr(tokenizer, "pad_token_id", 0) or 0
         self.stream: torch.Tensor | None = None
         self.examples: list[tuple[list[int], int]] | None = None  # (ids, prompt length)
+        self.dropped = 0  # prompt/completion examples with no completion token within seq_len
         if path is None:
             self.stream = torch.tensor(_encode(tokenizer, bundled_text()), dtype=torch.long)
-        elif path.endswith(".jsonl"):
+        elif _check_file(path).lower().endswith(".jsonl"):
             records = read_jsonl(path)
             if all("prompt" in r and "completion" in r for r in records):
-                self.examples = []
-                for r in records:
-                    prompt = _encode(tokenizer, r["prompt"])
-                    self.examples.append(((prompt + _encode(tokenizer, r["completion"]))[:seq_len], len(prompt)))
+                self._examples(tokenizer, path, records)
             elif all("text" in r for r in records):
-                self.stream = torch.tensor(_encode(tokenizer, "\n\n".join(r["text"] for r in records)))
+                texts = [_string(r, "text", path, i) for i, r in enumerate(records)]
+                self.stream = torch.tensor(_encode(tokenizer, "\n\n".join(texts)), dtype=torch.long)
             else:
                 raise ValueError(f"{path}: every line needs a 'text' field, or 'prompt' and 'completion'")
         else:
             self.stream = torch.tensor(_encode(tokenizer, Path(path).read_text(encoding="utf-8")), dtype=torch.long)
         if self.stream is not None and self.stream.numel() < seq_len + 1:
             raise ValueError(f"the data has {self.stream.numel()} tokens, fewer than seq_len={seq_len}")
+
+    def _examples(self, tokenizer, path: str, records: list[dict]) -> None:
+        self.examples = []
+        for i, r in enumerate(records):
+            prompt = _encode(tokenizer, _string(r, "prompt", path, i))
+            tokens = (prompt + _encode(tokenizer, _string(r, "completion", path, i)))[: self.seq_len]
+            # a label needs a completion token at a row >= 1 (row t is predicted from row t - 1)
+            if len(tokens) <= max(len(prompt), 1):
+                self.dropped += 1
+                continue
+            self.examples.append((tokens, len(prompt)))
+        if not self.examples:
+            raise ValueError(f"{path}: no example has a completion token within --seq-len {self.seq_len} (prompts "
+                             "too long, or completions empty)")
+        if self.dropped:
+            warnings.warn(f"{path}: {self.dropped} of {len(records)} examples have no completion token within "
+                          f"--seq-len {self.seq_len} (prompt too long or completion empty); they are left out",
+                          stacklevel=2)
 
     def batch(self, step: int, micro: int, batch_size: int) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1009 + micro)
@@ -91,10 +109,26 @@ class TokenData:
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def _check_file(path: str) -> str:
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"--data {path} is a folder; give a .txt or .jsonl file")
+    if not p.is_file():
+        raise FileNotFoundError(f"--data {path}: no such file")
+    return path
+
+
+def _string(record: dict, field: str, path: str, index: int) -> str:
+    value = record[field]
+    if not isinstance(value, str):
+        raise ValueError(f"{path}: record {index + 1}: '{field}' must be a string, got {type(value).__name__}")
+    return value
+
+
 def read_jsonl(path: str) -> list[dict]:
     """The records of a .jsonl file: one JSON object per non-empty line (errors name the line)."""
     records = []
-    with open(path, encoding="utf-8") as f:
+    with open(_check_file(path), encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -117,28 +117,34 @@ def _bench(args) -> int:
         from .bench import TrlBenchCase, run_trl_bench
         from .bench._run import format_trl_table
 
+        lengths = {"seq_lens": _per_objective(args.seq_lens)} if args.seq_lens is not None else {}
         case = TrlBenchCase(timed_steps=args.timed_steps, chunk_size=args.chunk_size,
-                            head_chunk_size=args.head_chunk_size)
-        if args.seq_lens:
-            case.seq_lens = _per_objective(args.seq_lens)
+                            head_chunk_size=args.head_chunk_size, **lengths)
         print(format_trl_table(run_trl_bench(case, args.out)))
         print(f"\nwrote {args.out}/bench_trl.csv, bench_trl.json, bench_trl.png")
         return 0
-    seq_lens = [int(x) for x in args.seq_lens.split(",")] if args.seq_lens else None
+    seq_lens = _ints(args.seq_lens, "--seq-lens") if args.seq_lens is not None else None
     if args.suite == "approx":
-        case = ApproxBenchCase(**({"seq_lens": seq_lens} if seq_lens else {}),
-                               **({"batch": args.batch} if args.batch else {}),
+        case = ApproxBenchCase(**({"seq_lens": seq_lens} if seq_lens is not None else {}),
+                               **({"batch": args.batch} if args.batch is not None else {}),
                                **({"dtype": args.dtype} if args.dtype else {}))
         print(format_approx_table(run_approx_bench(case, args.out)))
         print(f"\nwrote {args.out}/bench_approx.csv, bench_approx.json")
         return 0
-    case = BenchCase(**({"seq_lens": seq_lens} if seq_lens else {}), methods=args.methods.split(","),
-                     batch=args.batch or 1, dtype=args.dtype or "fp32", device=args.device, chunk_size=args.chunk_size,
+    case = BenchCase(**({"seq_lens": seq_lens} if seq_lens is not None else {}), methods=args.methods.split(","),
+                     batch=args.batch if args.batch is not None else 1, dtype=args.dtype or "fp32", device=args.device, chunk_size=args.chunk_size,
                      head_chunk_size=args.head_chunk_size)
     rows = run_bench(case, args.out)
     print(format_table(rows))
     print(f"\nwrote {args.out}/bench.csv, bench.json, bench.png")
     return 0
+
+
+def _ints(text: str, flag: str, sep: str = ",") -> list[int]:
+    try:
+        return [int(x) for x in text.split(sep) if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes integers separated by {sep!r}, got {text!r}") from None
 
 
 def _per_objective(text: str) -> dict[str, list[int]]:
@@ -148,7 +154,7 @@ def _per_objective(text: str) -> dict[str, list[int]]:
         name, _, lengths = part.partition("=")
         if name not in ("sft", "dpo", "grpo") or not lengths:
             raise ValueError(f"--seq-lens for the trl suite looks like sft=4096:16384,dpo=8192; got {part!r}")
-        out[name] = [int(x) for x in lengths.split(":")]
+        out[name] = _ints(lengths, "--seq-lens", ":")
     return out
 
 

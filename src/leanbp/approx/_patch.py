@@ -26,30 +26,50 @@ In full fine-tuning a folded gamma/beta is no longer a parameter of its own: it 
 the following weights (and, post-LN, kept fixed on the residual branch).
 
 The change is reversible (:func:`unapprox`), and ``save_pretrained`` of an approximated model
-writes an ordinary transformers checkpoint (weights unfolded, norm weights restored).
+writes an ordinary transformers checkpoint (weights unfolded, norm weights restored). Weights that
+were not trained since folding come back bit for bit (``_restore.FoldRecord``), also after the model
+was moved or cast with ``.to`` (the kept norms follow the same conversion).
 """
 
 from __future__ import annotations
 
-import types
+import copy
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from .._patching import install, uninstall
 from ._activations import ReGELU2, ReSiLU2
 from ._norms import MSLayerNorm, MSRMSNorm
+from ._restore import FoldRecord
 
 
 @dataclass
 class _Fold:
     parent: nn.Module  # module holding the norm
     attr: str  # attribute name of the norm on parent
-    norm: nn.Module  # the original norm (kept, with its gamma/beta, for unfolding and restoring)
-    # (weight name, weight, bias name, bias): each weight's input columns were scaled by gamma and
-    # beta went into its bias (b' = b + W beta)
-    consumers: list[tuple[str, torch.Tensor, str | None, torch.Tensor | None]]
+    # the original norm, kept with its gamma/beta for unfolding and restoring. Not a submodule (its
+    # parameters must not be trained or saved), so ``model.to`` does not reach it: ``restored_norm``
+    # applies the conversion the consumers went through since folding
+    norm: nn.Module
+    # (weight name, bias name or None): each weight's input columns were scaled by gamma and beta
+    # went into its bias (b' = b + W beta); names, looked up in the model when needed
+    consumers: list[tuple[str, str | None]]
+    records: list[FoldRecord]  # how to restore each consumer exactly
+    dtype: torch.dtype  # the consumers' dtype and device when folded
+    device: torch.device
     residual: nn.Module | None = None  # post-LN: the module whose residual input needs gamma, beta back
+
+    def tensors(self, model: nn.Module):
+        """[(weight, bias or None)] of the consumers, as they are now."""
+        return [(model.get_parameter(w), model.get_parameter(b) if b else None) for w, b in self.consumers]
+
+    def restored_norm(self, model: nn.Module) -> nn.Module:
+        """A copy of the original norm, moved and cast as the model was since folding (the kept one
+        stays as folded: its gamma is what the records undo)."""
+        w = model.get_parameter(self.consumers[0][0])
+        return copy.deepcopy(self.norm).to(device=w.device, dtype=w.dtype if w.dtype != self.dtype else None)
 
 
 @dataclass
@@ -78,18 +98,16 @@ def is_approximated(model: nn.Module) -> bool:
 
 
 def _consumer_params(linear: nn.Module, prefix: str):
-    """[(weight name, weight, bias name, bias)] whose input is the norm output: a Linear, or for
-    a PEFT LoRA layer its base layer and every lora_A."""
+    """[(weight name, bias name or None)] whose input is the norm output: a Linear, or for a PEFT
+    LoRA layer its base layer and every lora_A."""
     if isinstance(linear, nn.Linear):
-        return [(f"{prefix}.weight", linear.weight, f"{prefix}.bias" if linear.bias is not None else None,
-                 linear.bias)]
+        return [(f"{prefix}.weight", f"{prefix}.bias" if linear.bias is not None else None)]
     if hasattr(linear, "base_layer") and hasattr(linear, "lora_A"):
         if getattr(linear, "use_dora", {}) and any(linear.use_dora.values()):
             raise NotImplementedError(f"{prefix}: DoRA adapters cannot be folded; use plain LoRA")
         base = linear.base_layer
-        out = [(f"{prefix}.base_layer.weight", base.weight,
-                f"{prefix}.base_layer.bias" if base.bias is not None else None, base.bias)]
-        out += [(f"{prefix}.lora_A.{name}.weight", a.weight, None, None) for name, a in linear.lora_A.items()]
+        out = [(f"{prefix}.base_layer.weight", f"{prefix}.base_layer.bias" if base.bias is not None else None)]
+        out += [(f"{prefix}.lora_A.{name}.weight", None) for name in linear.lora_A]
         return out
     raise NotImplementedError(f"{prefix} is a {type(linear).__name__}; only nn.Linear and PEFT LoRA layers can be folded")
 
@@ -110,21 +128,16 @@ def _foldable(site: _NormSite, names) -> str | None:
     return None
 
 
-def _residual_with_affine(module: nn.Module, norm: nn.Module):
+def _residual_forward(module, plain, norm, hidden_states, input_tensor, *args, **kwargs):
     """Post-LN: the residual branch gets gamma * n + beta back (no saved activation: gamma and
     beta are constants here, so the product needs only gamma for its backward)."""
-    original = module.forward
-
-    def forward(hidden_states, input_tensor, *args, **kwargs):
-        input_tensor = input_tensor * norm.weight.detach().to(input_tensor.dtype)
-        if getattr(norm, "bias", None) is not None:
-            input_tensor = input_tensor + norm.bias.detach().to(input_tensor.dtype)
-        return original(hidden_states, input_tensor, *args, **kwargs)
-
-    module.forward = forward
+    input_tensor = input_tensor * norm.weight.detach().to(input_tensor)
+    if getattr(norm, "bias", None) is not None:
+        input_tensor = input_tensor + norm.bias.detach().to(input_tensor)
+    return plain(hidden_states, input_tensor, *args, **kwargs)
 
 
-def _fold_norm(state: _ApproxState, names, site: _NormSite) -> None:
+def _fold_norm(state: _ApproxState, model: nn.Module, names, site: _NormSite) -> None:
     reason = _foldable(site, names)
     if reason is not None:
         state.notes.append(reason)
@@ -135,11 +148,19 @@ def _fold_norm(state: _ApproxState, names, site: _NormSite) -> None:
     consumers = []
     for linear in site.consumers:
         consumers += _consumer_params(linear, names[linear])
+    records = []
     with torch.no_grad():
-        for _, w, _, b in consumers:
+        for w_name, b_name in consumers:
+            w = model.get_parameter(w_name)
+            b = model.get_parameter(b_name) if b_name else None
+            g = gamma.to(w.dtype)
+            original_w, original_b = w.detach().clone(), None if b is None else b.detach().clone()
             if beta is not None and b is not None:
                 b.add_(w @ beta.detach().to(w.dtype))  # b' = b + W beta (W before scaling)
-            w.mul_(gamma.to(w.dtype))  # W' = W diag(gamma): (out, in) * (in,)
+            w.mul_(g)  # W' = W diag(gamma): (out, in) * (in,)
+            folded_b = b if beta is not None and b is not None else None
+            records.append(FoldRecord(original_w, w, g, original_b if folded_b is not None else None, folded_b))
+            del original_w, original_b
     for linear in site.consumers:
         # PEFT casts a LoRA layer's input to lora_A's dtype; under autocast that makes lora_A save a
         # copy instead of the norm's output (the sharing is silently lost). When the adapter and
@@ -153,8 +174,10 @@ def _fold_norm(state: _ApproxState, names, site: _NormSite) -> None:
     ms = MSLayerNorm(eps) if isinstance(norm, nn.LayerNorm) else MSRMSNorm(eps)
     setattr(site.parent, site.attr, ms)
     if site.residual is not None:
-        _residual_with_affine(site.residual, norm)
-    state.folds.append(_Fold(site.parent, site.attr, norm, consumers, site.residual))
+        install(site.residual, "forward", _residual_forward, bound=(norm,))
+    first = model.get_parameter(consumers[0][0])
+    state.folds.append(_Fold(site.parent, site.attr, norm, consumers, records, first.dtype, first.device,
+                             site.residual))
 
 
 # -- family recipes: which norms feed which linears, and which activation to swap ------------------
@@ -236,9 +259,9 @@ def approx(model: nn.Module, activations: bool = True, norms: bool = True) -> nn
             setattr(owner, attr, replacement())
     if norms:
         for site in sites:
-            _fold_norm(state, names, site)
+            _fold_norm(state, model, names, site)
     model._leanbp_approx = state
-    model.save_pretrained = types.MethodType(_save_pretrained_unfolded, model)
+    install(model, "save_pretrained", _save_pretrained_unfolded)
     return model  # a streamed model sees the new modules: it looks them up on every call
 
 
@@ -247,16 +270,16 @@ def unapprox(model: nn.Module) -> nn.Module:
     if not is_approximated(model):
         raise ValueError("model is not approximated")
     state: _ApproxState = vars(model).pop("_leanbp_approx")
-    del model.save_pretrained
+    uninstall(model, "save_pretrained", _save_pretrained_unfolded)
     with torch.no_grad():
         for fold in reversed(state.folds):
-            for _, w, _, b in fold.consumers:
-                for target, value in zip((w, b), _unfolded(fold, w, b)):
+            for i, (w, b) in enumerate(fold.tensors(model)):
+                for target, value in zip((w, b), _unfolded(fold, i, w, b)):
                     if target is not None:
                         target.copy_(value)
-            setattr(fold.parent, fold.attr, fold.norm)
+            setattr(fold.parent, fold.attr, fold.restored_norm(model))
             if fold.residual is not None:
-                del fold.residual.forward
+                uninstall(fold.residual, "forward", _residual_forward)
     for owner, attr, act in state.acts:
         setattr(owner, attr, act)
     for linear in state.lora_casts:
@@ -264,14 +287,16 @@ def unapprox(model: nn.Module) -> nn.Module:
     return model
 
 
-def _unfolded(fold: _Fold, w: torch.Tensor, b: torch.Tensor | None):
-    """(W, b) before folding: W = W' / gamma, b = b' - W beta."""
-    gamma = fold.norm.weight.detach().to(w.dtype)
-    w0 = w.detach() / gamma
+def _unfolded(fold: _Fold, i: int, w: torch.Tensor, b: torch.Tensor | None):
+    """(W, b) of consumer ``i`` before folding: exactly the original while it was not trained since,
+    else W = W' / gamma and b = b' - W beta."""
+    w0 = fold.records[i].weight(w, fold.norm.weight.detach())
     beta = getattr(fold.norm, "bias", None)
     b0 = None
     if b is not None:
-        b0 = b.detach() - w0 @ beta.detach().to(w.dtype) if beta is not None else b.detach().clone()
+        b0 = fold.records[i].bias_or_none(b) if beta is not None else b.detach().clone()
+        if b0 is None:
+            b0 = b.detach() - w0 @ beta.detach().to(w0)
     return w0, b0
 
 
@@ -281,17 +306,17 @@ def unfolded_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     names = {m: n for n, m in model.named_modules()}
     sd = dict(model.state_dict())
     for fold in state.folds:
-        for w_name, w, b_name, b in fold.consumers:
-            w0, b0 = _unfolded(fold, w, b)
+        for i, ((w_name, b_name), (w, b)) in enumerate(zip(fold.consumers, fold.tensors(model))):
+            w0, b0 = _unfolded(fold, i, w, b)
             sd[w_name] = w0
             if b_name is not None:
                 sd[b_name] = b0
         prefix = f"{names[fold.parent]}.{fold.attr}".lstrip(".")
-        for pname, p in fold.norm.named_parameters():
+        for pname, p in fold.restored_norm(model).named_parameters():
             sd[f"{prefix}.{pname}"] = p.detach()
     return sd
 
 
-def _save_pretrained_unfolded(self, save_directory, *args, **kwargs):
-    kwargs.setdefault("state_dict", unfolded_state_dict(self))
-    return type(self).save_pretrained(self, save_directory, *args, **kwargs)
+def _save_pretrained_unfolded(model, plain, save_directory, *args, **kwargs):
+    kwargs.setdefault("state_dict", unfolded_state_dict(model))
+    return plain(save_directory, *args, **kwargs)

@@ -17,6 +17,24 @@ from ..engine import StreamConfig
 MiB = 2**20
 
 
+def _check_list(name: str, values, allowed: tuple = ()) -> None:
+    """A non-empty list of ``allowed`` names, or of positive integers. Bad settings are an error
+    before any case runs (never an error row and exit 0)."""
+    if not values:
+        raise ValueError(f"{name} is empty")
+    bad = [v for v in values if (v not in allowed if allowed else not (isinstance(v, int) and v > 0))]
+    if bad:
+        raise ValueError(f"{name}: {bad} not allowed; " + (f"choose from {list(allowed)}" if allowed else
+                                                          "use positive integers"))
+
+
+def _check_positive(case, *names: str) -> None:
+    for name in names:
+        value = getattr(case, name)
+        if not (isinstance(value, int) and value > 0):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
 @dataclass
 class BenchCase:
     seq_lens: list[int] = field(default_factory=lambda: [2048, 4096, 8192, 16384])
@@ -27,6 +45,11 @@ class BenchCase:
     chunk_size: int = StreamConfig.chunk_size
     head_chunk_size: int = StreamConfig.head_chunk_size
     timeout_s: int = 3600
+
+    def __post_init__(self):
+        _check_list("seq_lens", self.seq_lens)
+        _check_list("methods", self.methods, ("plain", "ckpt", "leanbp", "head"))
+        _check_positive(self, "batch", "chunk_size", "head_chunk_size")
 
 
 def _run_one(spec: dict, timeout_s: int) -> dict:
@@ -83,6 +106,11 @@ class ApproxBenchCase:
     timed_steps: int = 3
     timeout_s: int = 3600
 
+    def __post_init__(self):
+        _check_list("seq_lens", self.seq_lens)
+        _check_list("variants", self.variants, ("none", "act", "norm", "both"))
+        _check_positive(self, "batch", "timed_steps")
+
 
 def run_approx_bench(case: ApproxBenchCase, out_dir: str | Path, progress: bool = True) -> list[dict]:
     out_dir = Path(out_dir)
@@ -122,6 +150,13 @@ class TrlBenchCase:
     chunk_size: int = StreamConfig.chunk_size
     head_chunk_size: int = StreamConfig.head_chunk_size
     timeout_s: int = 7200
+
+    def __post_init__(self):
+        _check_list("objectives", list(self.seq_lens), ("sft", "dpo", "grpo"))
+        for objective, lengths in self.seq_lens.items():
+            _check_list(f"seq_lens[{objective}]", lengths)
+        _check_list("methods", self.methods, ("ckpt", "leanbp"))
+        _check_positive(self, "timed_steps", "chunk_size", "head_chunk_size")
 
 
 def run_trl_bench(case: TrlBenchCase, out_dir: str | Path, progress: bool = True) -> list[dict]:

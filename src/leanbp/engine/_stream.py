@@ -17,14 +17,16 @@ model's own decoder. A training call with gradients that cannot stream warns onc
 from __future__ import annotations
 
 import inspect
+import sys
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from .._patching import install, installed, uninstall
 from ..models import adapter_for
-from ._decoder import decoder_layers, rowwise, trainable
+from ._decoder import check_attention_mask, decoder_layers, rowwise, trainable
 from ._grads import AutocastState
 from ._head import HeadRun, IGNORE_INDEX, LogitTransform, cross_entropy, shift_labels, token_stats
 
@@ -73,29 +75,15 @@ class _StreamState:
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:
             self.warned.add(key)
-            warnings.warn(message, StreamWarning, stacklevel=4)
+            warnings.warn(message, StreamWarning, stacklevel=_caller_level())
 
 
-class _Forward:
-    """A forward leanbp installs on one module instance: ``impl(module, plain, *args, **kwargs)``,
-    where ``plain`` is the forward it replaced (the class's, or another wrapper's). Unlike a bound
-    method it pickles (``torch.save(model)``), and it reports the replaced forward's signature
-    (Trainer and ``generate`` inspect it)."""
-
-    def __init__(self, module: nn.Module, impl, inner=None):
-        self.module, self.impl, self.inner = module, impl, inner
-
-    def plain(self):
-        if self.inner is not None:
-            return self.inner
-        return type(self.module).forward.__get__(self.module, type(self.module))
-
-    @property
-    def __signature__(self):
-        return inspect.signature(self.plain())
-
-    def __call__(self, *args, **kwargs):
-        return self.impl(self.module, self.plain(), *args, **kwargs)
+def _caller_level() -> int:
+    """The stacklevel of the first frame outside leanbp and torch.nn (the user's call)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(("leanbp.", "torch.nn.")):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def causal_lm_of(model: nn.Module) -> nn.Module:
@@ -114,10 +102,6 @@ def is_streamed(model: nn.Module) -> bool:
     return "_leanbp_stream" in vars(causal_lm_of(model))
 
 
-def _ours(forward) -> bool:
-    return isinstance(forward, _Forward)
-
-
 def stream(model: nn.Module, chunk_size: int = 1024, head_chunk_size: int = 256, layers: bool = True,
            eval_logits: bool = True) -> nn.Module:
     """Make the decoder of ``model`` run exact StreamBP whenever it builds a graph.
@@ -132,7 +116,7 @@ def stream(model: nn.Module, chunk_size: int = 1024, head_chunk_size: int = 256,
                           eval_logits=eval_logits)
     lm = causal_lm_of(model)
     if is_streamed(lm):
-        if _ours(vars(lm).get("forward")):
+        if installed(lm, "forward", _lm_forward):
             raise ValueError("model is already streamed; call leanbp.unstream(model) first to change chunk sizes")
         # something (TRL's fused head) wrapped the streamed forward since: leanbp goes on top again
         _uninstall(lm)
@@ -147,11 +131,12 @@ def stream(model: nn.Module, chunk_size: int = 1024, head_chunk_size: int = 256,
     if layers and _checkpointing(adapter):
         state.warn_once("checkpointing", _CHECKPOINTING_IGNORED)
     lm._leanbp_stream = state
-    lm.forward = _Forward(lm, _lm_forward, vars(lm).get("forward"))
+    # instance attributes, picklable, reporting the replaced forward's signature (see _patching)
+    install(lm, "forward", _lm_forward)
     if layers:
         backbone = adapter.backbone()
         backbone._leanbp_stream = state
-        backbone.forward = _Forward(backbone, _backbone_forward, vars(backbone).get("forward"))
+        install(backbone, "forward", _backbone_forward)
     return model
 
 
@@ -166,15 +151,10 @@ def unstream(model: nn.Module) -> nn.Module:
 
 def _uninstall(lm: nn.Module) -> None:
     backbone = lm._leanbp_stream.adapter.backbone()
-    for module in (lm, backbone):
+    for module, impl in ((lm, _lm_forward), (backbone, _backbone_forward)):
         vars(module).pop("_leanbp_stream", None)
-        forward = vars(module).get("forward")
-        if _ours(forward):
-            if forward.inner is None:
-                del module.forward  # the class's forward shows through again
-            else:
-                module.forward = forward.inner
         # a wrapper installed on top of ours stays; ours, without its state, passes calls through
+        uninstall(module, "forward", impl)
 
 
 _CHECKPOINTING_IGNORED = (
@@ -312,6 +292,9 @@ def _hidden_for_head(lm: nn.Module, state: _StreamState, arguments: dict):
     adapter = state.adapter
     head_modules = [adapter.final_norm(), adapter.lm_head()]
     if not state.config.layers:
+        ids = arguments.get("input_ids")
+        rows = ids if ids is not None else arguments.get("inputs_embeds")
+        check_attention_mask(arguments.get("attention_mask"), rows.shape[0], rows.shape[1])
         out = adapter.backbone()(**_data(arguments), use_cache=False)
         return out.last_hidden_state, nn.Identity(), False
     if _builds_graph(lm, arguments):
@@ -351,24 +334,52 @@ def _labels_forward(lm: nn.Module, state: _StreamState, arguments: dict):
     return CausalLMOutputWithPast(loss=loss, logits=logits)
 
 
+def token_log_probs(model: nn.Module, labels: torch.Tensor, *, input_ids=None, inputs_embeds=None,
+                    attention_mask=None, position_ids=None, stats: tuple[str, ...] = (), temperature: float = 1.0
+                    ) -> dict[str, torch.Tensor]:
+    """Per-token log-probabilities of the next-token ``labels`` under a streamed model, as (B, T)
+    tensors with a real backward: row t is scored against ``labels[:, t + 1]``, as in a causal-LM
+    loss; rows whose next label is -100 (and the last row) are 0. Any objective built on them (DPO,
+    GRPO, a weighted SFT loss) gets exact gradients; neither the decoder's activations nor the
+    logits are kept for all T.
+
+    ``stats`` adds "entropy" (differentiable), "log_sum_sq_probs", "mean_logits", "is_top1".
+    """
+    lm = causal_lm_of(model)
+    state: _StreamState | None = vars(lm).get("_leanbp_stream")
+    if state is None:
+        raise ValueError("token_log_probs needs a streamed model: call leanbp.stream(model) first")
+    arguments = dict(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                     position_ids=position_ids)
+    return _token_stats(lm, state, arguments, shift_labels(labels), LogitTransform(temperature=temperature), False,
+                        tuple(stats))
+
+
+def _token_stats(lm: nn.Module, state: _StreamState, arguments: dict, targets: torch.Tensor,
+                 transform: LogitTransform, fp32_head: bool, stats: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    hidden, norm, scratch = _hidden_for_head(lm, state, arguments)
+    if targets.shape != hidden.shape[:2]:
+        raise ValueError(f"labels must have shape {tuple(hidden.shape[:2])}, got {tuple(targets.shape)}")
+    lm_head = state.adapter.lm_head()
+    run = HeadRun(norm=norm, lm_head=lm_head, targets=targets.to(hidden.device),
+                  chunk_size=state.config.head_chunk_size, autocast=AutocastState(hidden.device.type),
+                  transform=transform, fp32_head=fp32_head, input_is_scratch=scratch and torch.is_grad_enabled())
+    return token_stats(hidden, run, stats, _head_params(norm, lm_head))
+
+
 def _fused_head_forward(lm: nn.Module, state: _StreamState, spec, arguments: dict):
     """TRL's ``fused_lm_head=True`` call, answered by leanbp's chunked per-token head with TRL's
     settings (temperature, logit scale, soft-capping, fp32 head, requested outputs)."""
     from ..integrations._trl_head import fused_output
 
-    hidden, norm, scratch = _hidden_for_head(lm, state, arguments)
     pre_shifted = arguments.get("shift_labels")
     targets = pre_shifted if pre_shifted is not None else shift_labels(arguments["labels"])
-    targets = targets.to(hidden.device)
-    lm_head = state.adapter.lm_head()
-    run = HeadRun(norm=norm, lm_head=lm_head, targets=targets, chunk_size=state.config.head_chunk_size,
-                  autocast=AutocastState(hidden.device.type), transform=spec.transform, fp32_head=spec.fp32_head,
-                  input_is_scratch=scratch and torch.is_grad_enabled())
-    stats = token_stats(hidden, run, spec.outputs, _head_params(norm, lm_head))
+    stats = _token_stats(lm, state, arguments, targets, spec.transform, spec.fp32_head, spec.outputs)
     if pre_shifted is None:  # TRL scores rows 0..T-2 against labels 1..T-1
         stats = {name: t[:, :-1] for name, t in stats.items()}
         targets = targets[:, :-1]
-    return fused_output(stats, targets != IGNORE_INDEX, arguments.get("num_items_in_batch"))
+    return fused_output(stats, targets.to(stats["log_probs"].device) != IGNORE_INDEX,
+                        arguments.get("num_items_in_batch"))
 
 
 def _warn_if_trl_head_outside(state: _StreamState, lm: nn.Module) -> None:
@@ -383,4 +394,5 @@ def _warn_if_trl_head_outside(state: _StreamState, lm: nn.Module) -> None:
         )
 
 
-__all__ = ["LogitTransform", "StreamConfig", "StreamWarning", "causal_lm_of", "is_streamed", "stream", "unstream"]
+__all__ = ["LogitTransform", "StreamConfig", "StreamWarning", "causal_lm_of", "is_streamed", "stream", "token_log_probs",
+           "unstream"]

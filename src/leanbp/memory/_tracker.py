@@ -84,7 +84,10 @@ class track:
 
     def __init__(self, model: nn.Module, device: torch.device | str | None = None):
         self.model = model
-        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        if device is None:  # a module without parameters is measured on the CPU
+            first = next(model.parameters(), None)
+            device = first.device if first is not None else "cpu"
+        self.device = torch.device(device)
         self.report: MemoryReport | None = None
 
     def _params(self):
@@ -92,6 +95,16 @@ class track:
 
     def _grads(self):
         return [p.grad for p in self._params() if p.grad is not None]
+
+    def _watch_grads(self) -> None:
+        """Gradients freed before the block ends (zero_grad inside it) still count as gradients:
+        each parameter's largest gradient seen, not the ones left at exit."""
+        self._grad_bytes = {id(p): p.grad.untyped_storage().nbytes() for p in self._params() if p.grad is not None}
+
+        def seen(p):
+            self._grad_bytes[id(p)] = max(self._grad_bytes.get(id(p), 0), p.grad.untyped_storage().nbytes())
+
+        self._hooks = [p.register_post_accumulate_grad_hook(seen) for p in self._params() if p.requires_grad]
 
     def __enter__(self):
         params = _tensor_bytes(self._params())
@@ -104,6 +117,7 @@ class track:
             self._mode = _LiveStorageBytes(params + grads_before, self._params() + self._grads())
             self._mode.__enter__()
         self._params_bytes = params
+        self._watch_grads()
         return self
 
     def __exit__(self, *exc):
@@ -113,5 +127,9 @@ class track:
         else:
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
-        self.report = MemoryReport(peak=peak, params=self._params_bytes, grads=_tensor_bytes(self._grads()))
+        for hook in self._hooks:
+            hook.remove()
+        at_exit = {id(p): p.grad.untyped_storage().nbytes() for p in self._params() if p.grad is not None}
+        grads = sum(max(self._grad_bytes.get(k, 0), at_exit.get(k, 0)) for k in set(self._grad_bytes) | set(at_exit))
+        self.report = MemoryReport(peak=peak, params=self._params_bytes, grads=grads)
         return False
