@@ -222,3 +222,16 @@ def test_bench_rejects_bad_settings_before_running(tmp_path, capsys, args, messa
     assert main(["bench", *args, "--out", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "bench.csv").exists()
+
+
+@pytest.mark.parametrize("name,content,message", [
+    ("bad.jsonl", '{"text": "fine"}\n{"text": 5}\n', "record 2: 'text' must be a string"),
+    ("bad.jsonl", '{"text": "fine"}\n"just a string"\n', "bad.jsonl:2: expected a JSON object"),
+    ("bad.jsonl", '{"text": "fine"}\n{"text": \n', "bad.jsonl:2: not valid JSON"),
+    ("BAD.JSONL", '{"prompt": 1, "completion": "x"}\n', "record 1: 'prompt' must be a string"),
+])
+def test_train_names_the_bad_line_of_its_data(tmp_path, capsys, name, content, message):
+    data = tmp_path / name
+    data.write_text(content)
+    assert main([*TINY, "--data", str(data), "--steps", "1", "--out", str(tmp_path / "o")]) == 2
+    assert message in capsys.readouterr().err
