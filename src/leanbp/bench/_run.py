@@ -196,17 +196,11 @@ TRL_LABELS = {"sft": "SFT (packed)", "dpo": "DPO (2 pairs)", "grpo": "GRPO (grou
 
 
 def format_trl_table(rows: list[dict]) -> str:
-    header = ["trainer", "T", "tokens / step", "method", "activation MiB", "step s", "act / ckpt", "time / ckpt"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in rows:
-        name = TRL_LABELS[r["objective"]]
-        if r.get("error"):
-            lines.append(f"| {name} | {r['seq_len']} | | {r['method']} | {r['error']} | | | |")
-            continue
-        lines.append(f"| {name} | {r['seq_len']} | {r['tokens']} | {r['method']} | {r['activations'] / MiB:.1f} | "
-                     f"{r['step_s']:.1f} | {r.get('act_vs_ckpt', float('nan')):.3f} | "
-                     f"{r.get('time_vs_ckpt', float('nan')):.3f} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["trainer", "T", "tokens / step", "method", "activation MiB", "step s", "act / ckpt", "time / ckpt"], rows,
+        key=lambda r: [TRL_LABELS[r["objective"]], r["seq_len"], r.get("tokens", ""), r["method"]],
+        values=lambda r: [f"{r['activations'] / MiB:.1f}", f"{r['step_s']:.1f}", _ratio(r.get("act_vs_ckpt", "")),
+                          _ratio(r.get("time_vs_ckpt", ""))])
 
 
 def plot_trl(rows: list[dict], path: Path) -> None:
@@ -243,16 +237,21 @@ APPROX_LABELS = {"none": "exact", "act": "ReSiLU2 only", "norm": "MS-RMSNorm onl
 
 
 def format_approx_table(rows: list[dict]) -> str:
-    header = ["fine-tuning", "T", "backward", "activation MiB", "step s", "act / exact", "time / exact"]
+    return markdown_table(
+        ["fine-tuning", "T", "backward", "activation MiB", "step s", "act / exact", "time / exact"], rows,
+        key=lambda r: ["LoRA r=8" if r["lora"] else "full", r["seq_len"], APPROX_LABELS[r["approx"]]],
+        values=lambda r: [f"{r['activations'] / MiB:.1f}", f"{r['step_s']:.2f}", _ratio(r.get("act_vs_exact", "")),
+                          _ratio(r.get("time_vs_exact", ""))])
+
+
+def markdown_table(header: list[str], rows: list[dict], key, values) -> str:
+    """A Markdown table (it goes into the README as is): ``key(row)`` cells, then ``values(row)``
+    cells, or the row's error in their place."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
-        kind = "LoRA r=8" if r["lora"] else "full"
-        if r.get("error"):
-            lines.append(f"| {kind} | {r['seq_len']} | {APPROX_LABELS[r['approx']]} | {r['error']} | | | |")
-            continue
-        lines.append(f"| {kind} | {r['seq_len']} | {APPROX_LABELS[r['approx']]} | {r['activations'] / MiB:.1f} | "
-                     f"{r['step_s']:.2f} | {r.get('act_vs_exact', float('nan')):.3f} | "
-                     f"{r.get('time_vs_exact', float('nan')):.3f} |")
+        k = key(r)
+        v = values(r) if not r.get("error") else [r["error"]] + [""] * (len(header) - len(k) - 1)
+        lines.append("| " + " | ".join(str(c) for c in [*k, *v]) + " |")
     return "\n".join(lines)
 
 
@@ -291,19 +290,11 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
 
 def format_table(rows: list[dict]) -> str:
-    """A Markdown table (it goes into the README as is)."""
-    header = ["T", "method", "peak MiB", "activation MiB", "step s", "act / ckpt", "time / ckpt"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in rows:
-        f = _flat(r)
-        if r.get("error"):
-            lines.append(f"| {f['seq_len']} | {f['method']} | {r['error']} | | | | |")
-            continue
-        lines.append(
-            f"| {f['seq_len']} | {f['method']} | {f['peak_mib']} | {f['act_mib']} | {f['step_s']:.1f} | "
-            f"{_ratio(f['act_vs_ckpt'])} | {_ratio(f['time_vs_ckpt'])} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(
+        ["T", "method", "peak MiB", "activation MiB", "step s", "act / ckpt", "time / ckpt"], rows,
+        key=lambda r: [r["seq_len"], r["method"]],
+        values=lambda r: [(f := _flat(r))["peak_mib"], f["act_mib"], f"{r['step_s']:.1f}", _ratio(f["act_vs_ckpt"]),
+                          _ratio(f["time_vs_ckpt"])])
 
 
 def _ratio(x) -> str:
