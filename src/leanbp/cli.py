@@ -62,7 +62,8 @@ def _add_bench(sub):
     p.add_argument("--suite", choices=["stream", "approx", "trl"], default="stream",
                    help="stream: plain vs checkpointing vs leanbp on the Qwen3 bench model; approx: exact vs "
                         "ReSiLU2 / MS-RMSNorm / both on a Llama-shaped model (batch 4, T 512-2048, full and LoRA); "
-                        "trl: TRL's SFT (packed) / DPO / GRPO trainers with checkpointing vs leanbp")
+                        "trl: TRL's SFT (packed) / DPO / GRPO trainers with checkpointing, checkpointing + leanbp's "
+                        "head, and leanbp")
     p.add_argument("--seq-lens", help="comma-separated sequence lengths (stream: 2048,4096,8192,16384; "
                                       "approx: 512,1024,2048; trl: per objective, e.g. sft=4096:16384,dpo=8192)")
     p.add_argument("--timed-steps", type=int, default=3, help="trl suite: steps timed per case (median)")

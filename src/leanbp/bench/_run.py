@@ -145,7 +145,7 @@ class TrlBenchCase:
 
     seq_lens: dict[str, list[int]] = field(default_factory=lambda: {"sft": [4096, 16384], "dpo": [2048, 8192],
                                                                     "grpo": [2048, 8192]})
-    methods: list[str] = field(default_factory=lambda: ["ckpt", "leanbp"])
+    methods: list[str] = field(default_factory=lambda: ["ckpt", "ckpt_head", "leanbp"])
     timed_steps: int = 3
     chunk_size: int = StreamConfig.chunk_size
     head_chunk_size: int = StreamConfig.head_chunk_size
@@ -155,7 +155,7 @@ class TrlBenchCase:
         _check_list("objectives", list(self.seq_lens), ("sft", "dpo", "grpo"))
         for objective, lengths in self.seq_lens.items():
             _check_list(f"seq_lens[{objective}]", lengths)
-        _check_list("methods", self.methods, ("ckpt", "leanbp"))
+        _check_list("methods", self.methods, ("ckpt", "ckpt_head", "leanbp"))
         _check_positive(self, "timed_steps", "chunk_size", "head_chunk_size")
 
 
@@ -165,7 +165,7 @@ def run_trl_bench(case: TrlBenchCase, out_dir: str | Path, progress: bool = True
     specs = []
     for objective, lengths in case.seq_lens.items():
         for i, T in enumerate(lengths):
-            order = case.methods if i % 2 == 0 else case.methods[::-1]
+            order = case.methods if i % 2 == 0 else case.methods[::-1]  # no method always runs first
             specs += [{"suite": "trl", "objective": objective, "method": m, "seq_len": T,
                        "timed_steps": case.timed_steps, "chunk_size": case.chunk_size,
                        "head_chunk_size": case.head_chunk_size} for m in order]
@@ -175,7 +175,7 @@ def run_trl_bench(case: TrlBenchCase, out_dir: str | Path, progress: bool = True
         bar.set_postfix_str(f"{spec['objective']} {spec['method']} T={spec['seq_len']}")
         rows.append(_run_one(spec, case.timeout_s))
     order = {o: i for i, o in enumerate(case.seq_lens)}
-    rows.sort(key=lambda r: (order[r["objective"]], r["seq_len"], r["method"] != "ckpt"))
+    rows.sort(key=lambda r: (order[r["objective"]], r["seq_len"], case.methods.index(r["method"])))
     _add_ratios(rows, "ckpt", is_base=lambda r: r["method"] == "ckpt", group=lambda r: (r["objective"], r["seq_len"]))
     (out_dir / "bench_trl.json").write_text(json.dumps({"case": asdict(case), "rows": rows}, indent=1))
     with open(out_dir / "bench_trl.csv", "w", newline="") as f:
@@ -193,12 +193,14 @@ def run_trl_bench(case: TrlBenchCase, out_dir: str | Path, progress: bool = True
 
 
 TRL_LABELS = {"sft": "SFT (packed)", "dpo": "DPO (2 pairs)", "grpo": "GRPO (group of 4)"}
+TRL_METHODS = {"ckpt": "TRL + checkpointing", "ckpt_head": "TRL + checkpointing + leanbp head",
+               "leanbp": "TRL + leanbp"}
 
 
 def format_trl_table(rows: list[dict]) -> str:
     return markdown_table(
         ["trainer", "T", "tokens / step", "method", "activation MiB", "step s", "act / ckpt", "time / ckpt"], rows,
-        key=lambda r: [TRL_LABELS[r["objective"]], r["seq_len"], r.get("tokens", ""), r["method"]],
+        key=lambda r: [TRL_LABELS[r["objective"]], r["seq_len"], r.get("tokens", ""), TRL_METHODS[r["method"]]],
         values=lambda r: [f"{r['activations'] / MiB:.1f}", f"{r['step_s']:.1f}", _ratio(r.get("act_vs_ckpt", "")),
                           _ratio(r.get("time_vs_ckpt", ""))])
 
@@ -212,13 +214,12 @@ def plot_trl(rows: list[dict], path: Path) -> None:
     objectives = list(dict.fromkeys(r["objective"] for r in rows))
     fig, axes = plt.subplots(2, len(objectives), figsize=(4.2 * len(objectives), 6.5), squeeze=False)
     for col, objective in enumerate(objectives):
-        for method, style in (("ckpt", "o--"), ("leanbp", "o-")):
+        for method, style in (("ckpt", "o--"), ("ckpt_head", "s:"), ("leanbp", "o-")):
             ok = sorted((r for r in rows if r["objective"] == objective and r["method"] == method and "error" not in r),
                         key=lambda r: r["seq_len"])
             T = [r["seq_len"] for r in ok]
-            label = "TRL + gradient checkpointing" if method == "ckpt" else "TRL + leanbp"
-            axes[0][col].plot(T, [r["activations"] / MiB for r in ok], style, label=label)
-            axes[1][col].plot(T, [r["step_s"] for r in ok], style, label=label)
+            axes[0][col].plot(T, [r["activations"] / MiB for r in ok], style, label=TRL_METHODS[method])
+            axes[1][col].plot(T, [r["step_s"] for r in ok], style, label=TRL_METHODS[method])
         axes[0][col].set_title(TRL_LABELS[objective], fontsize=10)
         axes[0][col].set_ylabel("activation MiB (peak - params - grads)")
         axes[1][col].set_ylabel("backprop step s (median)")

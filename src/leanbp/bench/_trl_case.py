@@ -1,8 +1,10 @@
 """One TRL benchmark case (run in its own process by ``leanbp bench --suite trl``).
 
 The bench model (Qwen3-shaped, vocabulary 32000) trained by TRL's SFT (packed, padding-free),
-DPO (2 pairs) or GRPO (a group of 4) trainer at sequence length T, either with TRL's default
-gradient checkpointing ("ckpt") or streamed with ``stream_trainer`` ("leanbp"). Measured: the
+DPO (2 pairs) or GRPO (a group of 4) trainer at sequence length T, with TRL's default gradient
+checkpointing ("ckpt"), with checkpointing and leanbp's chunked head answering TRL's fused-head
+calls ("ckpt_head": ``stream(layers=False)``, which separates the head's share from the
+decoder's), or streamed with ``stream_trainer`` ("leanbp"). Measured: the
 backprop part of a training step, from ``compute_loss`` (DPO's reference forward included) to the
 end of ``backward``; GRPO's generation comes before it and is the same ``generate`` either way, so
 it is left out. Step 1 is tracked for memory (parameters and gradients resident), the later steps
@@ -22,6 +24,7 @@ from .._data import verses
 from .._tokenizer import byte_tokenizer
 
 OBJECTIVES = ("sft", "dpo", "grpo")
+METHODS = ("ckpt", "ckpt_head", "leanbp")
 COMPLETION_LEN = 16  # GRPO: tokens generated per completion
 DOCUMENTS = 8  # SFT: documents packed into the one row
 
@@ -63,7 +66,7 @@ def _trainer(spec: dict, model):
     steps = 1 + spec.get("timed_steps", 3)
     common = dict(output_dir="/tmp/leanbp-bench-trl", max_steps=steps, learning_rate=1e-5, report_to=[], use_cpu=True,
                   bf16=False, fp16=False, save_strategy="no", logging_steps=1, disable_tqdm=True,
-                  dataloader_num_workers=0, gradient_checkpointing=method == "ckpt",
+                  dataloader_num_workers=0, gradient_checkpointing=method != "leanbp",
                   gradient_checkpointing_kwargs={"use_reentrant": False})
     extra = {}
     if objective == "sft":
@@ -82,8 +85,15 @@ def _trainer(spec: dict, model):
         extra["reward_funcs"] = _reward
     trainer = cls(model=model, args=args, train_dataset=_dataset(objective, T), processing_class=byte_tokenizer(),
                   **extra)
+    head_chunk_size = spec.get("head_chunk_size", 256)
     if method == "leanbp":
-        stream_trainer(trainer, chunk_size=spec.get("chunk_size", 1024), head_chunk_size=spec.get("head_chunk_size", 256))
+        stream_trainer(trainer, chunk_size=spec.get("chunk_size", 1024), head_chunk_size=head_chunk_size)
+    elif method == "ckpt_head":  # the trainer's checkpointed decoder, leanbp's head
+        from .. import stream
+
+        for m in (trainer.model, getattr(trainer, "ref_model", None)):
+            if m is not None:
+                stream(m, layers=False, head_chunk_size=head_chunk_size)
     return trainer
 
 
@@ -132,8 +142,8 @@ class _StepProbe:
 def run_trl_case(spec: dict) -> dict:
     if spec["objective"] not in OBJECTIVES:
         raise ValueError(f"unknown objective {spec['objective']!r}; choose from {OBJECTIVES}")
-    if spec["method"] not in ("ckpt", "leanbp"):
-        raise ValueError(f"the trl suite compares ckpt and leanbp, got {spec['method']!r}")
+    if spec["method"] not in METHODS:
+        raise ValueError(f"the trl suite compares {METHODS}, got {spec['method']!r}")
     T = spec["seq_len"]
     model = build_model(qwen3_config(BENCH_QWEN3, max_positions=max(T + COMPLETION_LEN, 2048),
                                      pad_token_id=0, eos_token_id=4, bos_token_id=None)).train()

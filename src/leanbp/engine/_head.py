@@ -117,11 +117,13 @@ class _Chunk:
                     self.logits = self._project(head.weight, head.bias)  # (n, V)
             else:
                 self.logits = head(self.normed)  # (n, V), graph through the wrapped head
-        # Memory: no copy unless the logits are bf16/fp16; the transform works in place
+        # Memory: no copy unless the logits are bf16/fp16 (the transform and softmax work in place)
         acc = self.logits.to(torch.promote_types(self.logits.dtype, torch.float32))
         if run.fused:
-            del self.logits
-        self.z = run.transform.apply_(acc if acc is not getattr(self, "logits", None) else acc.clone())
+            del self.logits  # only z is needed from here on
+        elif acc is self.logits:
+            acc = acc.clone()  # the wrapped head's graph output must stay intact for its backward
+        self.z = run.transform.apply_(acc)
 
     def _project(self, weight, bias):
         run = self.run

@@ -177,7 +177,7 @@ def _arguments(module: nn.Module, args, kwargs) -> dict:
     return {**bound, **extra}
 
 
-def _blocking(arguments: dict, with_labels: bool) -> list[str]:
+def _blocking(arguments: dict) -> list[str]:
     """Arguments that a streamed call cannot honour (each name once)."""
     data = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "num_items_in_batch",
             "shift_labels")
@@ -185,9 +185,8 @@ def _blocking(arguments: dict, with_labels: bool) -> list[str]:
     for name, value in arguments.items():
         if name in data or name in _HARMLESS or value is None or value is False:
             continue
-        if name == "use_cache" or (name == "logits_to_keep" and (not with_labels or value == 0)):
-            if not value:
-                continue
+        if name in ("use_cache", "logits_to_keep") and not value:  # off, or 0 (= every row): nothing asked
+            continue
         out.append(name)
     mask = arguments.get("attention_mask")
     if mask is not None and (not torch.is_tensor(mask) or mask.dim() != 2):
@@ -242,7 +241,7 @@ def _backbone_forward(backbone: nn.Module, plain, *args, **kwargs):
     arguments = _arguments(backbone, args, kwargs)
     if not _builds_graph(backbone, arguments):
         return plain(*args, **kwargs)
-    reasons = _blocking(arguments, with_labels=False)
+    reasons = _blocking(arguments)
     if reasons:
         _bypass(state, backbone, arguments, reasons)
         return plain(*args, **kwargs)
@@ -260,6 +259,14 @@ def _data(arguments: dict) -> dict:
     return {k: arguments.get(k) for k in ("input_ids", "inputs_embeds", "attention_mask", "position_ids")}
 
 
+def _check_targets(arguments: dict, targets: torch.Tensor) -> None:
+    """Labels must match (batch, seq), checked before any work is done."""
+    rows = arguments.get("input_ids")
+    rows = rows if rows is not None else arguments.get("inputs_embeds")
+    if rows is not None and tuple(targets.shape) != tuple(rows.shape[:2]):
+        raise ValueError(f"labels must have shape {tuple(rows.shape[:2])}, got {tuple(targets.shape)}")
+
+
 def _lm_forward(lm: nn.Module, plain, *args, **kwargs):
     """The causal-LM forward: leanbp's chunked head for ``labels`` and TRL fused-head calls."""
     state: _StreamState | None = vars(lm).get("_leanbp_stream")
@@ -272,7 +279,7 @@ def _lm_forward(lm: nn.Module, plain, *args, **kwargs):
         if spec is None:  # nobody below handles fused calls the way TRL does: let them answer
             return plain(*args, **kwargs)
         arguments = _arguments(lm, args, {k: v for k, v in kwargs.items() if k != "fused_lm_head"})
-        reasons = _blocking(arguments, with_labels=True)
+        reasons = _blocking(arguments)
         if reasons or arguments.get("labels") is None and arguments.get("shift_labels") is None:
             _bypass(state, lm, arguments, reasons or ["no labels"])
             return plain(*args, **kwargs)
@@ -280,7 +287,7 @@ def _lm_forward(lm: nn.Module, plain, *args, **kwargs):
     arguments = _arguments(lm, args, kwargs)
     if arguments.get("labels") is None:
         return plain(*args, **kwargs)  # the model's own forward; its backbone call streams
-    reasons = _blocking(arguments, with_labels=True)
+    reasons = _blocking(arguments)
     if reasons:
         _bypass(state, lm, arguments, reasons)
         return plain(*args, **kwargs)
@@ -294,7 +301,8 @@ def _hidden_for_head(lm: nn.Module, state: _StreamState, arguments: dict):
     if not state.config.layers:
         ids = arguments.get("input_ids")
         rows = ids if ids is not None else arguments.get("inputs_embeds")
-        check_attention_mask(arguments.get("attention_mask"), rows.shape[0], rows.shape[1])
+        if rows is not None:  # (a missing input is the backbone's error to raise)
+            check_attention_mask(arguments.get("attention_mask"), rows.shape[0], rows.shape[1])
         out = adapter.backbone()(**_data(arguments), use_cache=False)
         return out.last_hidden_state, nn.Identity(), False
     if _builds_graph(lm, arguments):
@@ -312,10 +320,9 @@ def _head_params(norm: nn.Module, lm_head: nn.Module) -> list[torch.Tensor]:
 def _labels_forward(lm: nn.Module, state: _StreamState, arguments: dict):
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    hidden, norm, scratch = _hidden_for_head(lm, state, arguments)
     labels = arguments["labels"]
-    if labels.shape != hidden.shape[:2]:
-        raise ValueError(f"labels must have shape {tuple(hidden.shape[:2])}, got {tuple(labels.shape)}")
+    _check_targets(arguments, labels)
+    hidden, norm, scratch = _hidden_for_head(lm, state, arguments)
     targets = shift_labels(labels.to(hidden.device))
     denominator = arguments.get("num_items_in_batch")
     if denominator is None:
@@ -357,9 +364,8 @@ def token_log_probs(model: nn.Module, labels: torch.Tensor, *, input_ids=None, i
 
 def _token_stats(lm: nn.Module, state: _StreamState, arguments: dict, targets: torch.Tensor,
                  transform: LogitTransform, fp32_head: bool, stats: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    _check_targets(arguments, targets)
     hidden, norm, scratch = _hidden_for_head(lm, state, arguments)
-    if targets.shape != hidden.shape[:2]:
-        raise ValueError(f"labels must have shape {tuple(hidden.shape[:2])}, got {tuple(targets.shape)}")
     lm_head = state.adapter.lm_head()
     run = HeadRun(norm=norm, lm_head=lm_head, targets=targets.to(hidden.device),
                   chunk_size=state.config.head_chunk_size, autocast=AutocastState(hidden.device.type),
