@@ -19,20 +19,26 @@ def _rmsnorm_full_precision(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return self.weight * x.to(hidden_states.dtype)
 
 
-@contextlib.contextmanager
-def full_precision_norms(*models: nn.Module):
-    """Make transformers' RMSNorms keep float64 in float64 (they downcast to float32 internally).
+def patch_full_precision_norms(model: nn.Module) -> list[nn.Module]:
+    """Make transformers' RMSNorms in ``model`` keep float64 in float64 (they downcast to float32
+    internally); returns the patched norms.
 
     Without this, a float64 model's norm backward rounds to float32, and any reordering of the same
     sums (which is all a chunked backward is) shows up as ~1e-7 differences that say nothing about
     the chunking. Used for verification only; the function computed is the same.
     """
     patched = []
-    for model in models:
-        for module in model.modules():
-            if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
-                module.forward = types.MethodType(_rmsnorm_full_precision, module)
-                patched.append(module)
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_rmsnorm_full_precision, module)
+            patched.append(module)
+    return patched
+
+
+@contextlib.contextmanager
+def full_precision_norms(*models: nn.Module):
+    """``patch_full_precision_norms`` for the duration of the block."""
+    patched = [norm for model in models for norm in patch_full_precision_norms(model)]
     try:
         yield
     finally:

@@ -174,8 +174,13 @@ def run_trl_bench(case: TrlBenchCase, out_dir: str | Path, progress: bool = True
     for spec in bar:
         bar.set_postfix_str(f"{spec['objective']} {spec['method']} T={spec['seq_len']}")
         rows.append(_run_one(spec, case.timeout_s))
+        _write_trl(case, rows, out_dir)  # after every case: an hour-long run killed late keeps what it measured
+    return _write_trl(case, rows, out_dir)
+
+
+def _write_trl(case: TrlBenchCase, rows: list[dict], out_dir: Path) -> list[dict]:
     order = {o: i for i, o in enumerate(case.seq_lens)}
-    rows.sort(key=lambda r: (order[r["objective"]], r["seq_len"], case.methods.index(r["method"])))
+    rows = sorted(rows, key=lambda r: (order[r["objective"]], r["seq_len"], case.methods.index(r["method"])))
     _add_ratios(rows, "ckpt", is_base=lambda r: r["method"] == "ckpt", group=lambda r: (r["objective"], r["seq_len"]))
     (out_dir / "bench_trl.json").write_text(json.dumps({"case": asdict(case), "rows": rows}, indent=1))
     with open(out_dir / "bench_trl.csv", "w", newline="") as f:

@@ -8,10 +8,14 @@ apply it with ``RowwiseFunction`` (which keeps only its input).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
+from ..distributed import check_layers
 from ._attention import Documents
+from ._calls import call_through
 from ._grads import AutocastState, GradSum
 from ._layer import LayerRun, StreamedLayerFunction
 
@@ -58,11 +62,17 @@ def decoder_layers(adapter, config, input_ids=None, inputs_embeds=None, attentio
     if attention_mask is not None and not bool(attention_mask.all()):
         key_keep = attention_mask.to(device=hidden.device, dtype=torch.bool)
     autocast = AutocastState(hidden.device.type)
+    check_layers(adapter.layers())
     for i, layer in enumerate(adapter.layers()):
         run = LayerRun(adapter=adapter, layer=layer, window=adapter.sliding_window(i), cos=cos, sin=sin,
                        key_keep=key_keep, documents=documents, chunk_size=config.chunk_size, autocast=autocast)
-        hidden = StreamedLayerFunction.apply(hidden, run, *trainable(layer))
+        # the layer's own call runs the streamed layer, so engine hooks fire once per layer per step
+        hidden = call_through(layer, partial(_streamed_layer, layer, run), hidden)
     return hidden
+
+
+def _streamed_layer(layer: nn.Module, run: LayerRun, hidden: torch.Tensor) -> torch.Tensor:
+    return StreamedLayerFunction.apply(hidden, run, *trainable(layer))
 
 
 class RowwiseFunction(torch.autograd.Function):
@@ -75,7 +85,10 @@ class RowwiseFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, module: nn.Module, chunk_size: int, autocast: AutocastState, *params):
         with torch.no_grad(), autocast():
-            out = torch.cat([module(hidden[:, s: s + chunk_size]) for s in range(0, hidden.shape[1], chunk_size)], 1)
+            # .forward: the chunks run inside one call of the module (``rowwise``), whose hooks (an
+            # engine's parameter gathering) must not fire again per chunk
+            out = torch.cat([module.forward(hidden[:, s: s + chunk_size]) for s in range(0, hidden.shape[1], chunk_size)],
+                            1)
         ctx.save_for_backward(hidden, *params)
         ctx.module, ctx.chunk_size, ctx.autocast = module, chunk_size, autocast
         return out
@@ -90,7 +103,7 @@ class RowwiseFunction(torch.autograd.Function):
         for s in range(0, hidden.shape[1], ctx.chunk_size):
             rows = hidden[:, s: s + ctx.chunk_size].detach().requires_grad_(need_input)
             with torch.enable_grad(), ctx.autocast():
-                out = ctx.module(rows)
+                out = ctx.module.forward(rows)
             inputs = ([rows] if need_input else []) + trainable_params
             g = list(torch.autograd.grad(out, inputs, grad_out[:, s: s + ctx.chunk_size], allow_unused=True))
             if need_input:
@@ -101,4 +114,9 @@ class RowwiseFunction(torch.autograd.Function):
 
 
 def rowwise(module: nn.Module, hidden: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """``module`` applied to ``hidden`` chunk by chunk (inside one call of the module)."""
+    return call_through(module, partial(_rowwise, module, chunk_size), hidden)
+
+
+def _rowwise(module: nn.Module, chunk_size: int, hidden: torch.Tensor) -> torch.Tensor:
     return RowwiseFunction.apply(hidden, module, chunk_size, AutocastState(hidden.device.type), *trainable(module))

@@ -17,7 +17,9 @@ class GradSum:
     """Running sums of gradients for a fixed list of tensors, created lazily on first use."""
 
     def __init__(self, like: list[torch.Tensor]):
-        self._like = like
+        # shape, dtype and device as they are now, while the Function runs: an engine that shards
+        # parameters (ZeRO-3) may have taken a parameter's data away by the time the sums are read
+        self._like = [(t.shape, t.dtype, t.device) for t in like]
         self._sums: list[torch.Tensor | None] = [None] * len(like)
 
     def add(self, grads, owned: bool = False) -> None:
@@ -38,13 +40,13 @@ class GradSum:
         handed over, not copied. A tensor that got no gradient gets None, or zeros when asked
         (a chunked loss over no labelled row still owes every parameter its zero gradient)."""
         out = []
-        for like, s in zip(self._like, self._sums):
+        for (shape, dtype, device), s in zip(self._like, self._sums):
             if s is None:
-                out.append(torch.zeros_like(like) if zeros_for_missing else None)
+                out.append(torch.zeros(shape, dtype=dtype, device=device) if zeros_for_missing else None)
                 continue
             if scale is not None:
                 s.mul_(scale)
-            out.append(s.to(like.dtype))
+            out.append(s.to(dtype))
         self._sums = [None] * len(self._like)
         return out
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._calls import call_through
 from ._grads import AutocastState, GradSum, accumulation_dtype
 
 IGNORE_INDEX = -100
@@ -116,7 +117,9 @@ class _Chunk:
                 with torch.no_grad():
                     self.logits = self._project(head.weight, head.bias)  # (n, V)
             else:
-                self.logits = head(self.normed)  # (n, V), graph through the wrapped head
+                # graph through the wrapped head; .forward: the chunks run inside one call of the head
+                # (call_through), whose hooks must not fire again per chunk
+                self.logits = head.forward(self.normed)  # (n, V)
         # Memory: no copy unless the logits are bf16/fp16 (the transform and softmax work in place)
         acc = self.logits.to(torch.promote_types(self.logits.dtype, torch.float32))
         if run.fused:
@@ -376,13 +379,16 @@ def token_stats(hidden: torch.Tensor, run: HeadRun, stats: tuple[str, ...], para
     unknown = set(stats) - set(STATS)
     if unknown:
         raise ValueError(f"unknown per-token statistics {sorted(unknown)}; choose from {STATS}")
-    out = ChunkedTokenStatsFunction.apply(hidden, run, tuple(stats), *params)
+    # inside one call of the LM head module: engine hooks gather it once, not once per chunk
+    out = call_through(run.lm_head, lambda h: ChunkedTokenStatsFunction.apply(h, run, tuple(stats), *params), hidden)
     return {name: t for name, t in zip(STATS, out) if t is not None}
 
 
 def cross_entropy(hidden: torch.Tensor, run: HeadRun, denominator, params: list[torch.Tensor]) -> torch.Tensor:
     """The summed CE of the labelled rows over ``denominator`` (transformers' causal-LM loss)."""
-    return ChunkedCrossEntropyFunction.apply(hidden, run, denominator, torch.is_grad_enabled(), *params)
+    grad = torch.is_grad_enabled()
+    return call_through(run.lm_head, lambda h: ChunkedCrossEntropyFunction.apply(h, run, denominator, grad, *params),
+                        hidden)
 
 
 __all__ = ["HeadRun", "IGNORE_INDEX", "LogitTransform", "STATS", "cross_entropy", "shift_labels", "token_stats"]

@@ -26,6 +26,8 @@ from torch import nn
 
 from .._patching import install, installed, uninstall
 from ..models import adapter_for
+from ..distributed import gathers_per_call, prepare_for_engines
+from ._calls import unroute
 from ._decoder import check_attention_mask, decoder_layers, rowwise, trainable
 from ._grads import AutocastState
 from ._head import HeadRun, IGNORE_INDEX, LogitTransform, cross_entropy, shift_labels, token_stats
@@ -87,13 +89,14 @@ def _caller_level() -> int:
 
 
 def causal_lm_of(model: nn.Module) -> nn.Module:
-    """The transformers causal LM inside PEFT, DDP or accelerate wrappers."""
+    """The transformers causal LM inside PEFT, DDP, DeepSpeed or accelerate wrappers."""
     seen = set()
     while id(model) not in seen:
         seen.add(id(model))
         if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):  # PEFT
             model = model.get_base_model()
-        elif not hasattr(model, "config") and isinstance(getattr(model, "module", None), nn.Module):  # DDP & co
+        elif not hasattr(getattr(model, "config", None), "model_type") and isinstance(
+                getattr(model, "module", None), nn.Module):  # DDP, DeepSpeedEngine (its .config is its own)
             model = model.module
     return model
 
@@ -137,6 +140,7 @@ def stream(model: nn.Module, chunk_size: int = 1024, head_chunk_size: int = 256,
         backbone = adapter.backbone()
         backbone._leanbp_stream = state
         install(backbone, "forward", _backbone_forward)
+        prepare_for_engines(adapter.layers())
     return model
 
 
@@ -150,11 +154,13 @@ def unstream(model: nn.Module) -> nn.Module:
 
 
 def _uninstall(lm: nn.Module) -> None:
-    backbone = lm._leanbp_stream.adapter.backbone()
-    for module, impl in ((lm, _lm_forward), (backbone, _backbone_forward)):
+    adapter = lm._leanbp_stream.adapter
+    for module, impl in ((lm, _lm_forward), (adapter.backbone(), _backbone_forward)):
         vars(module).pop("_leanbp_stream", None)
         # a wrapper installed on top of ours stays; ours, without its state, passes calls through
         uninstall(module, "forward", impl)
+    for module in (*adapter.layers(), adapter.final_norm(), adapter.lm_head()):
+        unroute(module)  # (routed on first use; calls leanbp does not make pass through anyway)
 
 
 _CHECKPOINTING_IGNORED = (
@@ -308,6 +314,10 @@ def _hidden_for_head(lm: nn.Module, state: _StreamState, arguments: dict):
     if _builds_graph(lm, arguments):
         _check_training_call(state, lm, [adapter.embed_tokens(), *adapter.layers(), *head_modules])
     hidden = decoder_layers(adapter, state.config, **_data(arguments))
+    if gathers_per_call(adapter.final_norm()):
+        # the head cannot apply the norm inside its own chunks without using the norm's parameters
+        # outside the norm's calls: the norm gets its own (chunked) call; costs one (B, T, H) tensor
+        return rowwise(adapter.final_norm(), hidden, state.config.chunk_size), nn.Identity(), False
     # the last layer's output is read by the head only: its buffer can hold the head's input gradient
     # (never the caller's inputs_embeds, which a model without layers would pass straight through)
     return hidden, adapter.final_norm(), len(adapter.layers()) > 0

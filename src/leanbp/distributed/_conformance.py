@@ -1,0 +1,273 @@
+"""Distributed conformance check: streamed training under each engine equals one process.
+
+Run under ``torchrun --nproc_per_node=2 -m leanbp.distributed._conformance --out result.json``
+(gloo on CPU). For every engine it trains a tiny Qwen3 (float64; float32 weights with bf16
+compute for ``fsdp2_bf16``) on 4 padded rows (each rank takes its share) with chunks of 7 rows
+(5 chunks per layer), once streamed and once plain, and records on rank 0:
+
+* the gradients after one step, gathered to full tensors, and the parameters after 3 optimizer
+  steps (SGD): compared in the test with one process on the whole batch;
+* the collectives of the step (calls and bytes per kind): equal with and without leanbp.
+
+One launch runs every engine, so the process start-up is paid once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+CHUNK = 7
+SEQ = 31  # 5 chunks of 7 rows (the last one partial)
+ROWS = 4
+LR = 0.05
+STEPS = 3
+# "_late": leanbp.stream called on the wrapped model (after DDP / fully_shard / deepspeed.initialize)
+ENGINES = ("ddp", "ddp_late", "fsdp2", "fsdp2_bf16", "fsdp2_late", "zero2", "zero3", "zero3_late")
+
+
+def tiny_config():
+    import transformers
+
+    return transformers.Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                    tie_word_embeddings=False, attn_implementation="sdpa")
+
+
+def build_model(dtype=torch.float64):
+    """The same weights in every process (seeded), float64."""
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(tiny_config(), dtype=dtype)
+
+
+def full_batch():
+    """4 rows, two padded on the left by different amounts, prompts masked inside a chunk."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 97, (ROWS, SEQ), generator=g)
+    mask = torch.ones(ROWS, SEQ, dtype=torch.long)
+    mask[1, :5] = 0
+    mask[3, :11] = 0
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    labels[:, :9] = -100
+    return ids, mask, labels
+
+
+def shard(batch, rank: int, world: int):
+    per = ROWS // world
+    return tuple(t[rank * per:(rank + 1) * per] for t in batch)
+
+
+def items(labels) -> float:
+    """Labelled next-token targets in ``labels`` (what a causal-LM loss averages over)."""
+    return float((labels[:, 1:] != -100).sum())
+
+
+class CollectiveCounter:
+    """Counts the collectives called through ``torch.distributed`` (and DDP's all-reduce buckets,
+    through a comm hook) while active: {kind: calls} and {kind: bytes}."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+             "broadcast", "all_reduce_coalesced", "_all_gather_base", "_reduce_scatter_base",
+             "all_gather_single", "reduce_scatter_single", "all_to_all_single")
+
+    def __init__(self):
+        self.calls, self.bytes, self.active = Counter(), Counter(), False
+        self._saved = {}
+
+    def record(self, kind: str, tensors) -> None:
+        if self.active:
+            self.calls[kind] += 1
+            self.bytes[kind] += sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+    def install(self):
+        for name in self.NAMES:
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+            self._saved[name] = fn
+
+            def counted(*args, _fn=fn, _name=name, **kwargs):
+                self.record(_name, list(args[:2]) + [v for v in kwargs.values() if torch.is_tensor(v)])
+                return _fn(*args, **kwargs)
+
+            setattr(dist, name, counted)
+        return self
+
+    def ddp_hook(self, state, bucket):
+        self.record("ddp_bucket_all_reduce", [bucket.buffer()])
+        buffer = bucket.buffer().div_(dist.get_world_size())  # average, as DDP's default hook does
+        all_reduce = self._saved.get("all_reduce", dist.all_reduce)  # (counted once, as the bucket)
+        return all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
+
+    @contextlib.contextmanager
+    def counting(self):
+        self.calls.clear()
+        self.bytes.clear()
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+
+def _zero_config(stage: int) -> dict:
+    config = {"train_micro_batch_size_per_gpu": ROWS // dist.get_world_size(), "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0, "steps_per_print": 10**9,
+              "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True}
+    if stage == 3:
+        # partition even the tiny test model's parameters (the default keeps small ones whole)
+        config["zero_optimization"].update(stage3_param_persistence_threshold=0, stage3_max_live_parameters=0,
+                                           stage3_prefetch_bucket_size=0)
+    return config
+
+
+def run_engine(engine: str, streamed: bool, counter: CollectiveCounter) -> dict:
+    """Train STEPS steps; returns full gradients of step 1, full parameters after STEPS, collectives."""
+    import leanbp
+    from leanbp._verify_utils import patch_full_precision_norms
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    late = engine.endswith("_late")
+    engine = engine.removesuffix("_late")
+    dtype = torch.float32 if engine == "fsdp2_bf16" else torch.float64
+    if engine.startswith("zero"):
+        import deepspeed  # noqa: F401  (before leanbp.stream, which then makes the layers ZeRO-3 leaves)
+    model = build_model(dtype)
+    patch_full_precision_norms(model)  # float64 stays float64 (transformers' RMSNorm rounds to fp32)
+    if streamed and not late:
+        leanbp.stream(model, chunk_size=CHUNK, head_chunk_size=5)
+    elif not streamed and engine == "zero3":
+        # the engine configuration leanbp runs under: decoder layers as ZeRO-3 leaves (one gather of
+        # a layer's parameters per call instead of one per submodule; the same bytes, fewer calls)
+        from deepspeed.utils import set_z3_leaf_module
+
+        for layer in model.model.layers:
+            set_z3_leaf_module(layer, True)
+    names = [n for n, _ in model.named_parameters()]
+    ids, mask, labels = shard(full_batch(), rank, world)
+    # each rank's loss sums its tokens and divides by the whole batch's count / world: the engines
+    # average gradients over ranks, which then gives the gradient of the whole batch's mean loss
+    denominator = torch.tensor(items(full_batch()[2]) / world, dtype=dtype)
+
+    if engine == "ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        wrapped.register_comm_hook(None, counter.ddp_hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        step = lambda loss: (loss.backward(), )  # noqa: E731
+    elif engine.startswith("fsdp2"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy()
+        if engine == "fsdp2_bf16":
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, reshard_after_forward=True, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        wrapped = model
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        step = lambda loss: (loss.backward(), )  # noqa: E731
+    else:
+        import deepspeed
+
+        wrapped, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                        config=_zero_config(int(engine[-1])))
+        step = lambda loss: wrapped.backward(loss)  # noqa: E731
+    if streamed and late:
+        leanbp.stream(wrapped, chunk_size=CHUNK, head_chunk_size=5)
+
+    grads = None
+    collectives = None
+    for i in range(STEPS):
+        with counter.counting():
+            out = wrapped(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=denominator)
+            step(out.loss)
+        if i == 0:
+            collectives = {"calls": dict(counter.calls), "bytes": dict(counter.bytes)}
+            grads = _full_grads(engine, wrapped, model, names)
+            grad_dtype = str(_grad_dtype(engine, model))
+        if engine.startswith("zero"):
+            wrapped.step()
+        else:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    params = _full_params(engine, model, names)
+    if engine.startswith("zero"):
+        wrapped.destroy()
+    return {"grads": grads, "params": params, "collectives": collectives, "grad_dtype": grad_dtype,
+            "chunks_per_layer": -(-SEQ // CHUNK)}
+
+
+def _grad_dtype(engine, model):
+    p = next(model.parameters())
+    if engine.startswith("zero"):
+        from deepspeed.utils import safe_get_full_grad
+
+        return safe_get_full_grad(p).dtype
+    return p.grad.dtype
+
+
+def _full_grads(engine, wrapped, model, names) -> dict:
+    out = {}
+    for name, p in zip(names, model.parameters()):
+        if engine.startswith("zero"):
+            from deepspeed.utils import safe_get_full_grad
+
+            g = safe_get_full_grad(p)
+        else:
+            g = p.grad
+            if hasattr(g, "full_tensor"):  # FSDP2: a sharded DTensor
+                g = g.full_tensor()
+        out[name] = None if g is None else g.detach().double().tolist()
+    return out
+
+
+def _full_params(engine, model, names) -> dict:
+    out = {}
+    for name, p in zip(names, model.parameters()):
+        if engine == "zero3":
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            t = safe_get_full_fp32_param(p)
+        else:
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = t.detach().clone().tolist()
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    args = parser.parse_args(argv)
+    dist.init_process_group("gloo")
+    counter = CollectiveCounter().install()
+    results = {}
+    for engine in args.engines.split(","):
+        results[engine] = {}
+        for streamed in (True,) if engine.endswith("_late") else (True, False):
+            try:
+                results[engine]["leanbp" if streamed else "plain"] = run_engine(engine, streamed, counter)
+            except Exception as e:  # recorded, so one engine's failure does not hide the others
+                import traceback
+
+                results[engine]["leanbp" if streamed else "plain"] = {"error": traceback.format_exc()}
+                print(f"rank {dist.get_rank()} {engine} streamed={streamed}: {e!r}", flush=True)
+            dist.barrier()
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
