@@ -3,12 +3,15 @@
     OUT/run.json                          the run's configuration (what --resume must match)
     OUT/checkpoints/step-00000020/        config, weights, optimizer.pt, trainer_state.json, COMPLETE
     OUT/checkpoint -> checkpoints/step-00000020    a symlink to the newest, swapped atomically
+    OUT/final/                            a transformers checkpoint, when the engine saves in its own
+                                          format (FSDP2: dcp/, DeepSpeed: deepspeed/ in each step-*)
 
 A checkpoint is written into a temporary folder, every file is fsync'ed, a ``COMPLETE`` marker is
 written last, and only then is the folder renamed into place and the pointer swapped (a new
 symlink renamed over the old one). Whenever the process dies, the newest folder with a
 ``COMPLETE`` marker is a whole checkpoint: ``latest`` returns it, whatever state the pointer or
-half-written folders are in. The newest ``keep`` checkpoints are kept.
+half-written folders are in. The newest ``keep`` checkpoints are kept. With several processes,
+each writes its part into the temporary folder (``begin``), and one makes it whole (``finish``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ POINTER = "checkpoint"
 MARKER = "COMPLETE"
 RUN = "run.json"
 LOG = "train_log.csv"
+FINAL = "final"  # the transformers checkpoint exported at the end by engines that save in their own format
 # what a later --resume may change (the chunk sizes only trade memory for speed: the gradients are
 # the same); every other setting must be the run's
 RESUMABLE_CHANGES = ("steps", "save_every", "keep", "device", "resume", "overwrite", "skip_nonfinite", "chunk_size",
@@ -75,12 +79,29 @@ def latest(out: Path) -> Path | None:
 
 def save(out: Path, step: int, write, keep: int = 2) -> Path:
     """``write(folder)`` the checkpoint of ``step``, make it durable, point at it, prune old ones."""
-    root = out / FOLDER
-    root.mkdir(parents=True, exist_ok=True)
-    final, tmp = root / f"step-{step:08d}", root / f".step-{step:08d}.tmp"
+    tmp = begin(out, step)
+    write(tmp)
+    return finish(out, step, tmp, keep)
+
+
+def begin(out: Path, step: int) -> Path:
+    """An empty temporary folder for the checkpoint of ``step`` (several processes may write into
+    it before one calls ``finish``)."""
+    (out / FOLDER).mkdir(parents=True, exist_ok=True)
+    tmp = temp_folder(out, step)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    write(tmp)
+    return tmp
+
+
+def temp_folder(out: Path, step: int) -> Path:
+    return out / FOLDER / f".step-{step:08d}.tmp"
+
+
+def finish(out: Path, step: int, tmp: Path, keep: int = 2) -> Path:
+    """Make the written folder durable and whole, rename it into place, point at it, prune."""
+    root = out / FOLDER
+    final = root / f"step-{step:08d}"
     _fsync_tree(tmp)
     write_atomic(tmp / MARKER, f"{step}\n")  # last: the folder is whole from here on
     if final.exists():  # the same step saved again (a resume that ended where it began)
@@ -107,13 +128,15 @@ def _point(out: Path, target: Path) -> None:
 
 
 def has_run(out: Path) -> bool:
-    return any((out / name).exists() or (out / name).is_symlink() for name in (RUN, FOLDER, POINTER, LOG, "trainer"))
+    return any((out / name).exists() or (out / name).is_symlink()
+               for name in (RUN, FOLDER, POINTER, LOG, FINAL, "trainer"))
 
 
 def clear_run(out: Path) -> None:
     """Remove a previous run's files from ``out`` (only the ones leanbp writes)."""
     for name in (FOLDER, "trainer"):
         shutil.rmtree(out / name, ignore_errors=True)
+    shutil.rmtree(out / FINAL, ignore_errors=True)
     for name in (RUN, POINTER, LOG, "loss.png", f".{POINTER}.tmp"):
         path = out / name
         if path.is_symlink() or path.is_file():

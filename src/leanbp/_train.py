@@ -8,6 +8,7 @@ import json
 import math
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from . import memory
 from ._builtin import TRAIN_QWEN3, build_model, qwen3_config
 from ._data import TokenData, load_tokenizer
 from .approx import approx
+from .distributed._engines import ENGINES, Engine, make_engine
 from .engine import StreamConfig, stream
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -58,6 +60,9 @@ class TrainConfig:
     keep: int = 2  # checkpoints kept
     overwrite: bool = False  # replace a previous run in `out`
     skip_nonfinite: bool = False  # skip a step whose loss or gradient is not finite, instead of stopping
+    # single: one process; ddp | fsdp2 | zero2 | zero3: one process per device (torchrun or --nproc),
+    # each rank training on its own micro-batches (see leanbp.distributed._engines)
+    engine: str = "single"
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -78,6 +83,14 @@ class TrainConfig:
             raise ValueError("lr must be > 0")
         if self.approx not in ("none", "act", "norm", "both"):
             raise ValueError(f"approx must be none, act, norm or both, got {self.approx!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.engine != "single" and self.objective != "lm":
+            raise ValueError(f"--engine {self.engine} trains --objective lm; TRL's trainers (sft, dpo, grpo) run on "
+                             "several processes through `accelerate launch` (see README, Multiple GPUs)")
+        if self.engine.startswith("zero") and self.grad_accum != 1:
+            raise ValueError("--engine zero2/zero3 takes --grad-accum 1 (DeepSpeed accumulates by itself); raise "
+                             "--batch-size instead")
 
 
 def load_model(spec: str | None, seq_len: int, dtype: torch.dtype, seed: int):
@@ -146,18 +159,24 @@ def record_run(out: Path, cfg: TrainConfig) -> None:
     checkpoints.write_atomic(out / checkpoints.RUN, json.dumps(asdict(cfg), indent=1))
 
 
-def save_checkpoint(out: Path, model, optimizer, state: dict, keep: int) -> Path:
-    """An ordinary transformers checkpoint plus the optimizer and the loop's state, crash-safe."""
-    for name, p in model.named_parameters():  # a non-finite weight never reaches a checkpoint
-        if not torch.isfinite(p).all():
-            raise NonFiniteError(f"step {state['step']}: parameter {name} is not finite; not saving a checkpoint")
-
-    def write(folder: Path):
-        model.save_pretrained(folder)
-        torch.save(optimizer.state_dict(), folder / "optimizer.pt")
-        (folder / "trainer_state.json").write_text(json.dumps(state, indent=1))
-
-    return checkpoints.save(out, state["step"], write, keep)
+def save_checkpoint(out: Path, engine: Engine, state: dict, keep: int) -> Path:
+    """The engine's checkpoint plus the loop's state, crash-safe (every rank writes its part)."""
+    bad = next((name for name, p in engine.model.named_parameters()  # a non-finite weight never reaches a checkpoint
+                if not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()), None)
+    bad = engine.first_error(bad)
+    if bad is not None:
+        raise NonFiniteError(f"step {state['step']}: parameter {bad} is not finite; not saving a checkpoint")
+    if engine.is_main:
+        checkpoints.begin(out, state["step"])
+    engine.barrier()
+    tmp = checkpoints.temp_folder(out, state["step"])
+    engine.save(tmp)
+    if engine.is_main:
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+    engine.barrier()
+    final = checkpoints.finish(out, state["step"], tmp, keep) if engine.is_main else None
+    engine.barrier()
+    return final
 
 
 def _log_upto(path: Path, step: int, header: list[str]) -> None:
@@ -173,18 +192,31 @@ LOG_HEADER = ["step", "loss", "lr", "tokens_per_s", "peak_mib", "activation_mib"
 
 
 def train(cfg: TrainConfig, progress: bool = True) -> dict:
-    device = _device(cfg.device)
-    out = _prepare_out(cfg)
+    engine = make_engine(cfg.engine, _device(cfg.device))  # (joins the process group of a multi-process run)
+    device = engine.device
+    out = Path(cfg.out)
+    error = None
+    if engine.is_main:  # one process decides about the run folder; all stop if it refuses
+        try:
+            out = _prepare_out(cfg)
+        except (ValueError, FileNotFoundError) as e:
+            error = e
+    message = engine.first_error(None if error is None else str(error))
+    if error is not None:
+        raise error
+    if message is not None:
+        raise ValueError(message)
     dtype = DTYPES[cfg.dtype]
     state = {"step": 0, "losses": [], "skipped": [], "config": asdict(cfg)}
     # a run that died before its first checkpoint starts again from step 0, with its own settings
     resume_from = checkpoints.latest(out) if cfg.resume and cfg.objective == "lm" else None
-    if resume_from is not None:
+    if resume_from is not None and engine.transformers_weights:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(resume_from), dtype=dtype)
-        state = json.loads((resume_from / "trainer_state.json").read_text())
-        state.setdefault("skipped", [])
     else:
         model = load_model(cfg.model, cfg.seq_len, dtype, cfg.seed)
+    if resume_from is not None:
+        state = json.loads((resume_from / "trainer_state.json").read_text())
+        state.setdefault("skipped", [])
     model.to(device).train()
     tokenizer = load_tokenizer(cfg.model, model.config.vocab_size)
     if cfg.objective != "lm":
@@ -198,69 +230,82 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
         approx(model, activations=cfg.approx in ("act", "both"), norms=cfg.approx in ("norm", "both"))
     if cfg.stream:
         stream(model, chunk_size=cfg.chunk_size, head_chunk_size=cfg.head_chunk_size)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    engine.prepare(model, cfg.lr, cfg.weight_decay)
     if resume_from is not None:
-        optimizer.load_state_dict(torch.load(resume_from / "optimizer.pt", map_location=device))
-    record_run(out, cfg)
-
-    log_path = out / checkpoints.LOG
-    _log_upto(log_path, state["step"], LOG_HEADER)
-    log = open(log_path, "a", newline="")
-    writer = csv.writer(log)
-    bar = tqdm(range(state["step"], cfg.steps), initial=state["step"], total=cfg.steps, disable=not progress,
-               desc="leanbp train", unit="step")
+        engine.load(resume_from)
+    log = writer = None
+    if engine.is_main:
+        record_run(out, cfg)
+        log_path = out / checkpoints.LOG
+        _log_upto(log_path, state["step"], LOG_HEADER)
+        log = open(log_path, "a", newline="")
+        writer = csv.writer(log)
+    bar = tqdm(range(state["step"], cfg.steps), initial=state["step"], total=cfg.steps,
+               disable=not (progress and engine.is_main), desc="leanbp train", unit="step")
     try:
         for step in bar:
             lr = _lr_at(step, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            batches = [data.batch(step, m, cfg.batch_size) for m in range(cfg.grad_accum)]
-            # transformers' convention: every micro-batch divides by the step's total label count
-            n_items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+            engine.set_lr(lr)
+            # each rank its own micro-batches (rank 0 of one process: the same as ever)
+            batches = [data.batch(step, engine.rank * cfg.grad_accum + m, cfg.batch_size) for m in range(cfg.grad_accum)]
+            # transformers' convention: every micro-batch divides by the step's total label count; the
+            # engines average gradients over ranks, so each rank divides by that count / world size
+            n_items = int(engine.sum(sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)))
+            denominator = torch.tensor(n_items if engine.world == 1 else n_items / engine.world, device=device)
             t0 = time.perf_counter()
-            loss_sum = 0.0
+            loss_sum, grad_norm, mem = 0.0, 0.0, None
             if n_items:
-                with memory.track(model, device=device) as mem:
+                with memory.track(engine.model, device=device) if _trackable(engine) else nullcontext() as mem:
                     for b in batches:
                         b = {k: v.to(device) for k, v in b.items()}
-                        loss = model(**b, num_items_in_batch=torch.tensor(n_items, device=device)).loss
-                        loss.backward()
+                        loss = engine.module(**b, num_items_in_batch=denominator).loss
+                        engine.backward(loss)
                         loss_sum += loss.item()
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
-            skip = _skip_reason(step, n_items, loss_sum, grad_norm if n_items else 0.0, cfg.skip_nonfinite)
+                grad_norm = engine.clip()
+            loss_sum = engine.sum(loss_sum) / engine.world
+            skip = _skip_reason(step, n_items, loss_sum, grad_norm, cfg.skip_nonfinite)
             if skip:
-                optimizer.zero_grad(set_to_none=True)
+                engine.skip()
                 state["skipped"].append(step + 1)
-                tqdm.write(skip, file=sys.stderr)
+                if engine.is_main:
+                    tqdm.write(skip, file=sys.stderr)
             else:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                engine.step()
             seconds = time.perf_counter() - t0
-            tokens = sum(int(b["attention_mask"].sum()) for b in batches)
-            report = mem.report.as_mib() if n_items else {"peak": float("nan"), "activations": float("nan")}
+            tokens = engine.sum(sum(int(b["attention_mask"].sum()) for b in batches))
+            report = mem.report.as_mib() if mem is not None else {"peak": float("nan"), "activations": float("nan")}
             loss_value = loss_sum if not skip else float("nan")
             state["step"] = step + 1
             state["losses"].append(loss_value)
-            writer.writerow([step + 1, f"{loss_value:.5f}", f"{lr:.3e}", f"{tokens / seconds:.1f}",
-                             f"{report['peak']:.1f}", f"{report['activations']:.1f}"])
-            log.flush()
+            if engine.is_main:
+                writer.writerow([step + 1, f"{loss_value:.5f}", f"{lr:.3e}", f"{tokens / seconds:.1f}",
+                                 f"{report['peak']:.1f}", f"{report['activations']:.1f}"])
+                log.flush()
             bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens / seconds:.0f}", peak_mib=f"{report['peak']:.0f}")
             if state["step"] % cfg.save_every == 0 or state["step"] == cfg.steps:
-                save_checkpoint(out, model, optimizer, state, cfg.keep)
+                save_checkpoint(out, engine, state, cfg.keep)
     finally:
-        log.close()
-    if state["losses"]:
+        if log is not None:
+            log.close()
+    if not engine.transformers_weights:  # its checkpoints are its own format: a transformers one to use
+        engine.export(out / checkpoints.FINAL)
+    if state["losses"] and engine.is_main:
         plot_losses(state["losses"], out / "loss.png")
     return state
 
 
-def _skip_reason(step: int, n_items: int, loss: float, grad_norm: float, skip_nonfinite: bool) -> str | None:
+def _trackable(engine: Engine) -> bool:
+    """The CPU tracker counts plain tensors' storages; sharded (DTensor, ZeRO-3) parameters it
+    cannot see through are measured on CUDA only (allocator peaks)."""
+    return engine.device.type == "cuda" or engine.name in ("single", "ddp")
+
+
+def _skip_reason(step: int, n_items: int, loss: float, grad_norm: float | None, skip_nonfinite: bool) -> str | None:
     """Why this step makes no update (None: it does); raises on a non-finite step unless told to skip."""
     if not n_items:
         return (f"step {step + 1}: no labelled token in this step's batches (prompts longer than --seq-len, or "
                 "empty completions?); skipped, the weights are unchanged")
-    if math.isfinite(loss) and math.isfinite(grad_norm):
+    if math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm)):  # (None: DeepSpeed clips in its step)
         return None
     what = f"loss {loss} and gradient norm {grad_norm}"
     if skip_nonfinite:

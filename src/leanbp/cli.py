@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 
@@ -48,6 +49,11 @@ def _add_train(sub):
     p.add_argument("--keep", type=int, default=2, help="checkpoints kept in OUT/checkpoints")
     p.add_argument("--skip-nonfinite", action="store_true",
                    help="skip a step whose loss or gradient is not finite (default: stop with an error)")
+    p.add_argument("--engine", choices=["single", "ddp", "fsdp2", "zero2", "zero3"], default=None,
+                   help="single: one process (default); ddp | fsdp2 | zero2 | zero3 (DeepSpeed ZeRO): one process per "
+                        "device, each on its own micro-batches, launched by --nproc N or torchrun (default there: ddp)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="launch N processes on this machine (torchrun --standalone) running this command with --engine")
     p.add_argument("--packing", action="store_true", help="sft: pack examples into padding-free rows")
     p.add_argument("--group-size", type=int, default=4, help="grpo: completions per prompt")
     p.add_argument("--completion-len", type=int, default=64, help="grpo: tokens generated per completion")
@@ -93,7 +99,11 @@ def _add_verify(sub):
 
 def _train(args) -> int:
     from ._train import TrainConfig, train
+    from .distributed._engines import launched_by_torchrun
 
+    if args.nproc is not None:
+        return _launch(args.nproc)
+    engine = args.engine or ("ddp" if launched_by_torchrun() else "single")
     cfg = TrainConfig(model=args.model, data=args.data, objective=args.objective, out=args.out, seq_len=args.seq_len,
                       batch_size=args.batch_size, grad_accum=args.grad_accum, steps=args.steps, lr=args.lr,
                       warmup=args.warmup, weight_decay=args.weight_decay,
@@ -101,13 +111,36 @@ def _train(args) -> int:
                       stream=not args.no_stream, approx=args.approx, save_every=args.save_every, seed=args.seed,
                       device=args.device, resume=args.resume, packing=args.packing, group_size=args.group_size,
                       completion_len=args.completion_len, keep=args.keep, overwrite=args.overwrite,
-                      skip_nonfinite=args.skip_nonfinite)
+                      skip_nonfinite=args.skip_nonfinite, engine=engine)
     state = train(cfg)
     losses = state["losses"]
-    if losses:
+    if losses and int(os.environ.get("RANK", "0")) == 0:
+        final = "final (transformers), checkpoint" if engine in ("fsdp2", "zero2", "zero3") else "checkpoint"
         print(f"{args.objective} step {state['step']}: loss {losses[0]:.4f} -> {losses[-1]:.4f}; "
-              f"checkpoint in {args.out}/checkpoint")
+              f"{final} in {args.out}")
     return 0
+
+
+def _launch(nproc: int) -> int:
+    """Run this very command (without --nproc) in ``nproc`` processes under torchrun."""
+    import subprocess
+
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    argv, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            argv.append(arg)
+    if "--engine" not in argv and not any(a.startswith("--engine=") for a in argv):
+        argv += ["--engine", "ddp"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "leanbp", *argv]
+    return subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+                          ).returncode
 
 
 def _bench(args) -> int:

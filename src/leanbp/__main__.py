@@ -1,0 +1,7 @@
+"""``python -m leanbp`` (what ``torchrun --nproc_per_node=N -m leanbp train ...`` runs on each rank)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
