@@ -30,6 +30,7 @@ LR = 0.05
 STEPS = 3
 # "_late": leanbp.stream called on the wrapped model (after DDP / fully_shard / deepspeed.initialize)
 ENGINES = ("ddp", "ddp_late", "fsdp2", "fsdp2_bf16", "fsdp2_late", "zero2", "zero3", "zero3_late")
+HF_ENGINES = ("trainer_zero3", "accelerate_zero3")  # DeepSpeed through the transformers Trainer / Accelerate
 
 
 def tiny_config():
@@ -243,6 +244,58 @@ def _full_params(engine, model, names) -> dict:
     return out
 
 
+def run_trainer(engine: str, streamed: bool, counter: CollectiveCounter) -> dict:
+    """``trainer_zero3``: the transformers Trainer (through its Accelerate DeepSpeed plugin) with a
+    DeepSpeed ZeRO-3 config, the model built after TrainingArguments, so partitioned by zero.Init
+    as it is built; STEPS SGD steps on the 4 rows (2 per rank). Returns the parameters after the
+    steps and the collectives of the whole run."""
+    import tempfile
+
+    import transformers
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from .._patching import installed
+    from .._verify_utils import patch_full_precision_norms
+    from ..engine._calls import _routed_forward
+
+    world = dist.get_world_size()
+    config = {"train_micro_batch_size_per_gpu": ROWS // world, "gradient_accumulation_steps": 1,
+              "gradient_clipping": 1.0, "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
+              "optimizer": {"type": "SGD", "params": {"lr": LR}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    args = transformers.TrainingArguments(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=ROWS // world, learning_rate=LR, max_steps=STEPS,
+        lr_scheduler_type="constant", max_grad_norm=1.0, deepspeed=config, report_to=[], logging_strategy="no",
+        save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True)
+    model = build_model(torch.float32)  # under DeepSpeed's zero.Init: partitioned as it is built
+    patch_full_precision_norms(model)
+    _stream_or_leaves(model, streamed)
+    ids, mask, labels = full_batch()
+    rows = [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(ROWS)]
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
+    with counter.counting():
+        trainer.train()
+    params = {n: safe_get_full_fp32_param(p).double().tolist() for n, p in model.named_parameters()}
+    trainer.model_wrapped.destroy()
+    return {"params": params, "collectives": {"calls": dict(counter.calls), "bytes": dict(counter.bytes)},
+            # a layer is routed on its first streamed call: proof that the trainer's steps streamed
+            "streamed_layers": sum(installed(layer, "forward", _routed_forward) is not None
+                                   for layer in model.model.layers)}
+
+
+def _stream_or_leaves(model, streamed: bool) -> None:
+    """leanbp.stream, or (plain) the same ZeRO-3 configuration: decoder layers as leaves."""
+    import leanbp
+
+    if streamed:
+        leanbp.stream(model, chunk_size=CHUNK, head_chunk_size=5)
+    else:
+        from deepspeed.utils import set_z3_leaf_module
+
+        for layer in model.model.layers:
+            set_z3_leaf_module(layer, True)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -255,7 +308,8 @@ def main(argv=None) -> None:
         results[engine] = {}
         for streamed in (True,) if engine.endswith("_late") else (True, False):
             try:
-                results[engine]["leanbp" if streamed else "plain"] = run_engine(engine, streamed, counter)
+                run = run_trainer if engine in HF_ENGINES else run_engine
+                results[engine]["leanbp" if streamed else "plain"] = run(engine, streamed, counter)
             except Exception as e:  # recorded, so one engine's failure does not hide the others
                 import traceback
 
