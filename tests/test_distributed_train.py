@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,3 +67,21 @@ def test_engines_other_than_single_need_several_processes(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "leanbp", "train", "--engine", "ddp", "--steps", "1",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--nproc" in proc.stderr
+
+
+def test_the_readme_multi_gpu_commands_run_as_written(tmp_path):
+    """The `leanbp train --nproc ...` lines of the README's "Multiple GPUs" section, run as they are
+    written (only --out moved into a temporary folder), each ending with a loadable transformers
+    checkpoint."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Multiple GPUs", 1)[1].split("\n## ", 1)[0]
+    commands = [line.split() for line in section.splitlines() if line.startswith("leanbp train --nproc")]
+    assert len(commands) >= 2
+    for words in commands:
+        if "zero" in " ".join(words) and not HAS_DEEPSPEED:
+            continue
+        out = tmp_path / words[words.index("--out") + 1].replace("/", "_")
+        words[words.index("--out") + 1] = str(out)
+        proc = subprocess.run([sys.executable, "-m", "leanbp", *words[1:]], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert _weights(out / "final")
