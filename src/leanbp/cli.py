@@ -72,7 +72,7 @@ def _add_bench(sub):
                         "head, and leanbp")
     p.add_argument("--seq-lens", help="comma-separated sequence lengths (stream: 2048,4096,8192,16384; "
                                       "approx: 512,1024,2048; trl: per objective, e.g. sft=4096:16384,dpo=8192)")
-    p.add_argument("--timed-steps", type=int, default=3, help="trl suite: steps timed per case (median)")
+    p.add_argument("--timed-steps", type=int, default=3, help="stream and trl suites: steps timed per case (median)")
     p.add_argument("--methods", default="plain,ckpt,leanbp", help="stream suite: comma-separated plain, ckpt, leanbp")
     p.add_argument("--batch", type=int, help="batch size (stream: 1, approx: 4)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "autocast"],
@@ -145,7 +145,9 @@ def _launch(nproc: int) -> int:
 
 def _bench(args) -> int:
     from .bench import ApproxBenchCase, BenchCase, run_approx_bench, run_bench
-    from .bench._run import format_approx_table, format_table
+    from .bench._run import describe_machine, format_approx_table, format_table, machine
+
+    print(f"machine: {describe_machine(machine())}")
 
     if args.suite == "trl":
         from .bench import TrlBenchCase, run_trl_bench
@@ -166,8 +168,8 @@ def _bench(args) -> int:
         print(f"\nwrote {args.out}/bench_approx.csv, bench_approx.json")
         return 0
     case = BenchCase(**({"seq_lens": seq_lens} if seq_lens is not None else {}), methods=args.methods.split(","),
-                     batch=args.batch if args.batch is not None else 1, dtype=args.dtype or "fp32", device=args.device, chunk_size=args.chunk_size,
-                     head_chunk_size=args.head_chunk_size)
+                     batch=args.batch if args.batch is not None else 1, dtype=args.dtype or "fp32", device=args.device,
+                     chunk_size=args.chunk_size, head_chunk_size=args.head_chunk_size, timed_steps=args.timed_steps)
     rows = run_bench(case, args.out)
     print(format_table(rows))
     print(f"\nwrote {args.out}/bench.csv, bench.json, bench.png")

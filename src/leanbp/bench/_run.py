@@ -44,12 +44,43 @@ class BenchCase:
     device: str = "cpu"
     chunk_size: int = StreamConfig.chunk_size
     head_chunk_size: int = StreamConfig.head_chunk_size
+    timed_steps: int = 3  # step time: the median of this many steps after the measured one
     timeout_s: int = 3600
 
     def __post_init__(self):
         _check_list("seq_lens", self.seq_lens)
         _check_list("methods", self.methods, ("plain", "ckpt", "leanbp", "head"))
-        _check_positive(self, "batch", "chunk_size", "head_chunk_size")
+        _check_positive(self, "batch", "chunk_size", "head_chunk_size", "timed_steps")
+
+
+def machine() -> dict:
+    """What the timings ran on: CPU model, the vector extensions that change fp32/bf16 speed,
+    cores, torch, and the GPU if one is visible."""
+    import platform
+
+    import torch
+
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name in ("", platform.machine(), platform.processor()):
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    info = {"cpu": name, "cpu_flags": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags],
+            "cores": os.cpu_count(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def describe_machine(info: dict) -> str:
+    flags = ", ".join(info["cpu_flags"]) or "no avx2/avx512"
+    gpu = f"; GPU {info['gpu']}" if "gpu" in info else ""
+    return f"{info['cpu']} ({flags}), {info['cores']} cores, torch {info['torch']}{gpu}"
 
 
 def _run_one(spec: dict, timeout_s: int) -> dict:
@@ -71,19 +102,23 @@ def _run_one(spec: dict, timeout_s: int) -> dict:
 def run_bench(case: BenchCase, out_dir: str | Path, progress: bool = True) -> list[dict]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # the order of the methods alternates from one T to the next: none always runs first (or after
+    # the heaviest case), which moved single timings by +-5% on a shared machine
     specs = [
         {"method": m, "seq_len": T, "batch": case.batch, "dtype": case.dtype, "device": case.device,
-         "chunk_size": case.chunk_size, "head_chunk_size": case.head_chunk_size}
-        for T in case.seq_lens for m in case.methods
+         "chunk_size": case.chunk_size, "head_chunk_size": case.head_chunk_size, "timed_steps": case.timed_steps}
+        for i, T in enumerate(case.seq_lens) for m in (case.methods if i % 2 == 0 else case.methods[::-1])
     ]
     rows = []
     bar = tqdm(specs, desc="bench", disable=not progress, unit="case")
     for spec in bar:
         bar.set_postfix_str(f"{spec['method']} T={spec['seq_len']}")
         rows.append(_run_one(spec, case.timeout_s))
+    rows.sort(key=lambda r: (case.seq_lens.index(r["seq_len"]), case.methods.index(r["method"])))
     _add_ratios(rows, "ckpt", is_base=lambda r: r["method"] == "ckpt", group=lambda r: r["seq_len"])
     write_csv(rows, out_dir / "bench.csv")
-    (out_dir / "bench.json").write_text(json.dumps({"case": asdict(case), "rows": rows}, indent=1))
+    (out_dir / "bench.json").write_text(json.dumps({"case": asdict(case), "machine": machine(), "rows": rows},
+                                                   indent=1))
     plot(rows, out_dir / "bench.png")
     return rows
 
@@ -124,7 +159,8 @@ def run_approx_bench(case: ApproxBenchCase, out_dir: str | Path, progress: bool 
         bar.set_postfix_str(f"{'lora' if spec['lora'] else 'full'} T={spec['seq_len']} {spec['approx']}")
         rows.append(_run_one(spec, case.timeout_s))
     _add_ratios(rows, "exact", is_base=lambda r: r["approx"] == "none", group=lambda r: (r["lora"], r["seq_len"]))
-    (out_dir / "bench_approx.json").write_text(json.dumps({"case": asdict(case), "rows": rows}, indent=1))
+    (out_dir / "bench_approx.json").write_text(json.dumps({"case": asdict(case), "machine": machine(), "rows": rows},
+                                                          indent=1))
     with open(out_dir / "bench_approx.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["fine_tuning", "seq_len", "approx", "act_mib", "step_s", "act_vs_exact", "time_vs_exact", "error"])
@@ -182,7 +218,8 @@ def _write_trl(case: TrlBenchCase, rows: list[dict], out_dir: Path) -> list[dict
     order = {o: i for i, o in enumerate(case.seq_lens)}
     rows = sorted(rows, key=lambda r: (order[r["objective"]], r["seq_len"], case.methods.index(r["method"])))
     _add_ratios(rows, "ckpt", is_base=lambda r: r["method"] == "ckpt", group=lambda r: (r["objective"], r["seq_len"]))
-    (out_dir / "bench_trl.json").write_text(json.dumps({"case": asdict(case), "rows": rows}, indent=1))
+    (out_dir / "bench_trl.json").write_text(json.dumps({"case": asdict(case), "machine": machine(), "rows": rows},
+                                                       indent=1))
     with open(out_dir / "bench_trl.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["objective", "seq_len", "tokens", "method", "act_mib", "step_s", "act_vs_ckpt", "time_vs_ckpt",
