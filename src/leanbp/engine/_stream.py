@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from .._patching import install, installed, uninstall
-from ..models import adapter_for
 from ..distributed import gathers_per_call, prepare_for_engines
+from ..models import adapter_for
 from ._calls import unroute
 from ._decoder import check_attention_mask, decoder_layers, rowwise, trainable
 from ._grads import AutocastState
