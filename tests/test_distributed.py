@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from leanbp._verify_utils import full_precision_norms, reference_causal_lm_loss
+import leanbp
+from leanbp._verify_utils import reference_causal_lm_loss
 from leanbp.distributed import _conformance as C
 
 HAS_DEEPSPEED = __import__("importlib").util.find_spec("deepspeed") is not None
@@ -35,30 +36,35 @@ def results(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-def _reference(dtype):
-    """One process, the whole batch, plain autograd (float64 norms and loss): gradients of step 1
-    and parameters after C.STEPS SGD steps."""
-    model = C.build_model(dtype)
+def _reference(dtype, approximated=False):
+    """One process, the whole batch: gradients of step 1 and parameters after C.STEPS SGD steps.
+    Plain autograd (float64 norms and loss); for an approximated model (whose gradients are not
+    plain autograd's by design), the same approximated model streamed in one process."""
+    model = C.build_model(dtype, approximated)
     ids, mask, labels = C.full_batch()
+    if approximated:
+        leanbp.stream(model, chunk_size=C.CHUNK, head_chunk_size=5)
     optimizer = torch.optim.SGD(model.parameters(), lr=C.LR)
-    with full_precision_norms(model):
-        for i in range(C.STEPS):
+    for i in range(C.STEPS):
+        if approximated:
+            model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        else:
             reference_causal_lm_loss(model, labels, input_ids=ids, attention_mask=mask).backward()
-            if i == 0:
-                grads = {n: p.grad.double().clone() for n, p in model.named_parameters()}
-            optimizer.step()
-            optimizer.zero_grad()
+        if i == 0:
+            grads = {n: p.grad.double().clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
     return grads, {n: p.detach().double() for n, p in model.named_parameters()}
 
 
 REFERENCES = {}
 
 
-def _errors(run: dict, dtype) -> tuple[float, float]:
+def _errors(run: dict, dtype, approximated=False) -> tuple[float, float]:
     """Worst relative error over all parameters: (step-1 gradients, parameters after C.STEPS)."""
-    if dtype not in REFERENCES:
-        REFERENCES[dtype] = _reference(dtype)
-    ref_grads, ref_params = REFERENCES[dtype]
+    if (dtype, approximated) not in REFERENCES:
+        REFERENCES[dtype, approximated] = _reference(dtype, approximated)
+    ref_grads, ref_params = REFERENCES[dtype, approximated]
 
     def worst(got: dict, ref: dict) -> float:
         assert set(got) == set(ref)
@@ -85,10 +91,11 @@ def test_same_collectives_as_the_engine_without_leanbp(results, engine):
     assert leanbp_run["collectives"] == plain_run["collectives"]
 
 
-@pytest.mark.parametrize("engine", ["ddp", "ddp_late", "fsdp2", "fsdp2_late"])
+@pytest.mark.parametrize("engine", ["ddp", "ddp_late", "fsdp2", "fsdp2_late", "fsdp2_approx"])
 def test_float64_training_equals_one_process(results, engine):
+    """(fsdp2_approx: leanbp.approx + stream under FSDP2 vs the same approximated model in one process)"""
     leanbp_run, _ = _runs(results, engine)
-    grad_err, param_err = _errors(leanbp_run, torch.float64)
+    grad_err, param_err = _errors(leanbp_run, torch.float64, approximated=engine.endswith("_approx"))
     assert grad_err <= 1e-12 and param_err <= 1e-12, (grad_err, param_err)
 
 

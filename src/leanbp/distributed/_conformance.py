@@ -28,8 +28,9 @@ SEQ = 31  # 5 chunks of 7 rows (the last one partial)
 ROWS = 4
 LR = 0.05
 STEPS = 3
-# "_late": leanbp.stream called on the wrapped model (after DDP / fully_shard / deepspeed.initialize)
-ENGINES = ("ddp", "ddp_late", "fsdp2", "fsdp2_bf16", "fsdp2_late", "zero2", "zero3", "zero3_late")
+# "_late": leanbp.stream called on the wrapped model (after DDP / fully_shard / deepspeed.initialize);
+# "_approx": the model under leanbp.approx (ReSiLU2 + MS-RMSNorm) as well
+ENGINES = ("ddp", "ddp_late", "fsdp2", "fsdp2_bf16", "fsdp2_late", "fsdp2_approx", "zero2", "zero3", "zero3_late")
 HF_ENGINES = ("trainer_zero3", "accelerate_zero3")  # DeepSpeed through the transformers Trainer / Accelerate
 
 
@@ -41,12 +42,20 @@ def tiny_config():
                                     tie_word_embeddings=False, attn_implementation="sdpa")
 
 
-def build_model(dtype=torch.float64):
-    """The same weights in every process (seeded), float64."""
+def build_model(dtype=torch.float64, approximated: bool = False):
+    """The same weights in every process (seeded), with float64-preserving norms (transformers'
+    RMSNorm rounds to fp32 inside); ``approximated``: under leanbp.approx (ReSiLU2, MS-RMSNorm)."""
     import transformers
 
+    import leanbp
+    from leanbp._verify_utils import patch_full_precision_norms
+
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(tiny_config(), dtype=dtype)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(), dtype=dtype)
+    if approximated:
+        leanbp.approx(model, activations=True, norms=True)
+    patch_full_precision_norms(model)
+    return model
 
 
 def full_batch():
@@ -134,16 +143,14 @@ def _zero_config(stage: int) -> dict:
 def run_engine(engine: str, streamed: bool, counter: CollectiveCounter) -> dict:
     """Train STEPS steps; returns full gradients of step 1, full parameters after STEPS, collectives."""
     import leanbp
-    from leanbp._verify_utils import patch_full_precision_norms
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    late = engine.endswith("_late")
-    engine = engine.removesuffix("_late")
+    late, approximated = engine.endswith("_late"), engine.endswith("_approx")
+    engine = engine.removesuffix("_late").removesuffix("_approx")
     dtype = torch.float32 if engine == "fsdp2_bf16" else torch.float64
     if engine.startswith("zero"):
         import deepspeed  # noqa: F401  (before leanbp.stream, which then makes the layers ZeRO-3 leaves)
-    model = build_model(dtype)
-    patch_full_precision_norms(model)  # float64 stays float64 (transformers' RMSNorm rounds to fp32)
+    model = build_model(dtype, approximated)
     if streamed and not late:
         leanbp.stream(model, chunk_size=CHUNK, head_chunk_size=5)
     elif not streamed and engine == "zero3":
@@ -255,7 +262,6 @@ def run_trainer(engine: str, streamed: bool, counter: CollectiveCounter) -> dict
     from deepspeed.utils import safe_get_full_fp32_param
 
     from .._patching import installed
-    from .._verify_utils import patch_full_precision_norms
     from ..engine._calls import _routed_forward
 
     world = dist.get_world_size()
@@ -268,7 +274,6 @@ def run_trainer(engine: str, streamed: bool, counter: CollectiveCounter) -> dict
         lr_scheduler_type="constant", max_grad_norm=1.0, deepspeed=config, report_to=[], logging_strategy="no",
         save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True)
     model = build_model(torch.float32)  # under DeepSpeed's zero.Init: partitioned as it is built
-    patch_full_precision_norms(model)
     _stream_or_leaves(model, streamed)
     ids, mask, labels = full_batch()
     rows = [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(ROWS)]
