@@ -86,7 +86,7 @@ def _runs(results, engine):
 @pytest.mark.parametrize("engine", [e for e in ENGINES if e != "zero3_late"])
 def test_same_collectives_as_the_engine_without_leanbp(results, engine):
     leanbp_run, plain_run = _runs(results, engine)
-    assert leanbp_run["chunks_per_layer"] >= 4
+    assert leanbp_run["chunks_per_layer"] == 5 and plain_run["chunks_per_layer"] == 0  # it streamed, 5 chunks
     assert plain_run["collectives"]["calls"], "no collective was counted: the counter sees nothing"
     assert leanbp_run["collectives"] == plain_run["collectives"]
 
@@ -111,7 +111,8 @@ def test_bf16_mixed_precision_fsdp2_is_as_accurate_as_without_leanbp(results):
 def test_deepspeed_training_equals_one_process_to_its_fp32_gradients(results, engine):
     """DeepSpeed keeps and communicates gradient partitions in fp32 at best (its
     communication_data_type has no fp64), so a float64 model trains to fp32 rounding there, with or
-    without leanbp; leanbp must be no less accurate than that (measured: 4.6e-8 vs 6.9e-8)."""
+    without leanbp; leanbp stays at that level: within 2x of plain ZeRO's error (or 1e-7)
+    (measured: 4.6e-8 vs 6.9e-8)."""
     leanbp_run, plain_run = _runs(results, engine)
     assert leanbp_run["grad_dtype"] == "torch.float32"
     (lg, lp), (pg, pp) = _errors(leanbp_run, torch.float64), _errors(plain_run, torch.float64)

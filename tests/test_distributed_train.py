@@ -51,10 +51,14 @@ def test_two_processes_train_the_weights_of_one(tmp_path, reference, engine, res
     launch = ["--nproc", "2", "--engine", engine]
     if resume:
         _train(out, *launch, "--steps", "2")
+        before = (out / "train_log.csv").read_text().splitlines()
         proc = _train(out, *launch, "--steps", "3", "--resume")
+        # resumed, not redone: steps 1-2 keep their rows (a rerun would rewrite their tokens/s)
+        assert (out / "train_log.csv").read_text().splitlines()[:3] == before
     else:
         proc = _train(out, *launch, "--steps", "3")
     assert proc.stdout.count("lm step 3") == 1  # only rank 0 reports
+    assert "cannot be streamed" not in proc.stderr  # no silent fallback to plain training
     rows = (out / "train_log.csv").read_text().splitlines()
     assert [r.split(",")[0] for r in rows] == ["step", "1", "2", "3"]  # one log, written by rank 0
     final = out / ("checkpoint" if engine == "ddp" else "final")  # DDP's checkpoints are transformers ones

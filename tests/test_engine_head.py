@@ -64,7 +64,7 @@ def test_token_stats_values_and_gradients(transform, head):
         run = HeadRun(norm=model.model.norm, lm_head=model.lm_head, targets=targets, chunk_size=7,
                       autocast=AutocastState("cpu"), transform=transform)
         params = [p for m in (model.model.norm, model.lm_head) for p in m.parameters()]
-        got = token_stats(h, run, stats, params)
+        got = token_stats(h, run, stats, lambda: params)
         (got["log_probs"] * w_lp + got["entropy"] * w_ent).sum().backward()
     for name, value in expected.items():
         if name == "is_top1":
@@ -85,7 +85,7 @@ def test_entropy_only_and_log_probs_only_gradients():
     for use in ("log_probs", "entropy"):
         run = HeadRun(norm=model.model.norm, lm_head=model.lm_head, targets=targets, chunk_size=4,
                       autocast=AutocastState("cpu"))
-        got = token_stats(hidden, run, ("entropy",), [])
+        got = token_stats(hidden, run, ("entropy",), list)
         expected = _reference_stats(model, hidden, targets, LogitTransform())
         (g_got,) = torch.autograd.grad(got[use].sum(), hidden)
         (g_ref,) = torch.autograd.grad(expected[use].sum(), hidden)

@@ -88,6 +88,9 @@ class TrainConfig:
         if self.engine != "single" and self.objective != "lm":
             raise ValueError(f"--engine {self.engine} trains --objective lm; TRL's trainers (sft, dpo, grpo) run on "
                              "several processes through `accelerate launch` (see README, Multiple GPUs)")
+        if self.engine in ("fsdp2", "zero2", "zero3") and self.approx != "none":
+            raise ValueError(f"--approx with --engine {self.engine}: the exported checkpoint would hold the folded "
+                             "weights; use --engine ddp (or single) with --approx")
         if self.engine.startswith("zero") and self.grad_accum != 1:
             raise ValueError("--engine zero2/zero3 takes --grad-accum 1 (DeepSpeed accumulates by itself); raise "
                              "--batch-size instead")
@@ -132,7 +135,13 @@ def _device(name: str) -> torch.device:
     return device
 
 
-def _prepare_out(cfg: TrainConfig) -> Path:
+def _run_settings(cfg: TrainConfig, world: int) -> dict:
+    """What a run is (run.json, what --resume must match): the config and the number of processes
+    (which splits the data and sizes the step)."""
+    return {**asdict(cfg), "world_size": world}
+
+
+def _prepare_out(cfg: TrainConfig, world: int = 1) -> Path:
     """The run folder: refuse to overwrite a run silently, or to resume it with other settings."""
     out = Path(cfg.out)
     try:
@@ -143,7 +152,7 @@ def _prepare_out(cfg: TrainConfig) -> Path:
     if cfg.resume:
         if saved is None:
             raise FileNotFoundError(f"--resume: no run in {out}")
-        checkpoints.check_resumable(saved, asdict(cfg))
+        checkpoints.check_resumable(saved, _run_settings(cfg, world))
     elif checkpoints.has_run(out):
         if not cfg.overwrite:
             done = checkpoints.latest(out)
@@ -154,15 +163,15 @@ def _prepare_out(cfg: TrainConfig) -> Path:
     return out
 
 
-def record_run(out: Path, cfg: TrainConfig) -> None:
+def record_run(out: Path, cfg: TrainConfig, world: int = 1) -> None:
     """Written once the model and data have loaded, so that a run that never started leaves none."""
-    checkpoints.write_atomic(out / checkpoints.RUN, json.dumps(asdict(cfg), indent=1))
+    checkpoints.write_atomic(out / checkpoints.RUN, json.dumps(_run_settings(cfg, world), indent=1))
 
 
 def save_checkpoint(out: Path, engine: Engine, state: dict, keep: int) -> Path:
     """The engine's checkpoint plus the loop's state, crash-safe (every rank writes its part)."""
     bad = next((name for name, p in engine.model.named_parameters()  # a non-finite weight never reaches a checkpoint
-                if not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()), None)
+                if not torch.isfinite(_local(p)).all()), None)
     bad = engine.first_error(bad)
     if bad is not None:
         raise NonFiniteError(f"step {state['step']}: parameter {bad} is not finite; not saving a checkpoint")
@@ -177,6 +186,13 @@ def save_checkpoint(out: Path, engine: Engine, state: dict, keep: int) -> Path:
     final = checkpoints.finish(out, state["step"], tmp, keep) if engine.is_main else None
     engine.barrier()
     return final
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The part of a parameter this rank holds: an FSDP2 shard, a ZeRO-3 partition, or all of it."""
+    if hasattr(p, "to_local"):
+        return p.to_local()
+    return p.ds_tensor if hasattr(p, "ds_tensor") else p
 
 
 def _log_upto(path: Path, step: int, header: list[str]) -> None:
@@ -198,7 +214,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     error = None
     if engine.is_main:  # one process decides about the run folder; all stop if it refuses
         try:
-            out = _prepare_out(cfg)
+            out = _prepare_out(cfg, engine.world)
         except (ValueError, FileNotFoundError) as e:
             error = e
     message = engine.first_error(None if error is None else str(error))
@@ -235,7 +251,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
         engine.load(resume_from)
     log = writer = None
     if engine.is_main:
-        record_run(out, cfg)
+        record_run(out, cfg, engine.world)
         log_path = out / checkpoints.LOG
         _log_upto(log_path, state["step"], LOG_HEADER)
         log = open(log_path, "a", newline="")
@@ -251,7 +267,9 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
             # transformers' convention: every micro-batch divides by the step's total label count; the
             # engines average gradients over ranks, so each rank divides by that count / world size
             n_items = int(engine.sum(sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)))
-            denominator = torch.tensor(n_items if engine.world == 1 else n_items / engine.world, device=device)
+            denominator = (torch.tensor(n_items, device=device) if engine.world == 1 else
+                           torch.tensor(n_items / engine.world, dtype=torch.promote_types(dtype, torch.float32),
+                                        device=device))
             t0 = time.perf_counter()
             loss_sum, grad_norm, mem = 0.0, 0.0, None
             if n_items:

@@ -12,7 +12,9 @@ from .engine import StreamConfig
 
 
 def _add_train(sub):
-    p = sub.add_parser("train", help="train a model with StreamBP (default: built-in Qwen3-shaped model on bundled text)",
+    # allow_abbrev=False: --nproc relaunches this command without it, which it must recognize exactly
+    p = sub.add_parser("train", allow_abbrev=False,
+                       help="train a model with StreamBP (default: built-in Qwen3-shaped model on bundled text)",
                        description="Train a causal LM with exact sequence-streamed backprop. With no arguments: "
                                    "a small Qwen3-shaped model (random init, byte-level vocabulary) on the bundled "
                                    "public-domain text at T=4096.")
@@ -102,7 +104,9 @@ def _train(args) -> int:
     from .distributed._engines import launched_by_torchrun
 
     if args.nproc is not None:
-        return _launch(args.nproc)
+        if launched_by_torchrun():  # (the launched ranks run this command without --nproc)
+            raise ValueError("--nproc launches torchrun itself; under torchrun, leave it out")
+        return _launch(args.nproc, args.argv)
     engine = args.engine or ("ddp" if launched_by_torchrun() else "single")
     cfg = TrainConfig(model=args.model, data=args.data, objective=args.objective, out=args.out, seq_len=args.seq_len,
                       batch_size=args.batch_size, grad_accum=args.grad_accum, steps=args.steps, lr=args.lr,
@@ -121,14 +125,14 @@ def _train(args) -> int:
     return 0
 
 
-def _launch(nproc: int) -> int:
-    """Run this very command (without --nproc) in ``nproc`` processes under torchrun."""
+def _launch(nproc: int, given: list[str]) -> int:
+    """Run this very command (``given``, without --nproc) in ``nproc`` processes under torchrun."""
     import subprocess
 
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     argv, skip = [], False
-    for arg in sys.argv[1:]:
+    for arg in given:
         if skip:
             skip = False
         elif arg == "--nproc":
@@ -224,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_train(sub)
     _add_bench(sub)
     _add_verify(sub)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     try:
         return {"train": _train, "bench": _bench, "verify": _verify}[args.command](args)
     except (ValueError, NotImplementedError, FileNotFoundError, ImportError) as e:

@@ -27,14 +27,16 @@ import sys
 from torch import nn
 
 
-def prepare_for_engines(layers) -> None:
-    """Called by ``leanbp.stream`` with the decoder layers it streams."""
+def prepare_for_engines(layers, head_modules) -> None:
+    """Called by ``leanbp.stream`` with the decoder layers it streams and the modules of the chunked
+    head (final norm, LM head), before it changes anything."""
     check_layers(layers)
     if "deepspeed" in sys.modules:  # (importing DeepSpeed costs seconds: only when the user has)
         from deepspeed.utils import set_z3_leaf_module
 
-        for layer in layers:
-            set_z3_leaf_module(layer, True)
+        # the head's modules too: a wrapped head (PEFT) has children that would be gathered per chunk
+        for module in (*layers, *head_modules):
+            set_z3_leaf_module(module, True)
 
 
 def check_layers(layers) -> None:

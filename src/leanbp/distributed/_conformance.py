@@ -31,7 +31,7 @@ STEPS = 3
 # "_late": leanbp.stream called on the wrapped model (after DDP / fully_shard / deepspeed.initialize);
 # "_approx": the model under leanbp.approx (ReSiLU2 + MS-RMSNorm) as well
 ENGINES = ("ddp", "ddp_late", "fsdp2", "fsdp2_bf16", "fsdp2_late", "fsdp2_approx", "zero2", "zero3", "zero3_late")
-HF_ENGINES = ("trainer_zero3", "accelerate_zero3")  # DeepSpeed through the transformers Trainer / Accelerate
+HF_ENGINES = ("trainer_zero3",)  # DeepSpeed through the transformers Trainer (and its Accelerate plugin)
 
 
 def tiny_config():
@@ -195,10 +195,12 @@ def run_engine(engine: str, streamed: bool, counter: CollectiveCounter) -> dict:
     grads = None
     collectives = None
     for i in range(STEPS):
-        with counter.counting():
+        with counter.counting(), ChunkCounter() as chunks:
             out = wrapped(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=denominator)
             step(out.loss)
         if i == 0:
+            # chunks a layer ran in the step (forward and backward recompute), measured
+            chunks_per_layer = chunks.calls / (2 * len(model.model.layers))
             collectives = {"calls": dict(counter.calls), "bytes": dict(counter.bytes)}
             grads = _full_grads(engine, wrapped, model, names)
             grad_dtype = str(_grad_dtype(engine, model))
@@ -211,7 +213,29 @@ def run_engine(engine: str, streamed: bool, counter: CollectiveCounter) -> dict:
     if engine.startswith("zero"):
         wrapped.destroy()
     return {"grads": grads, "params": params, "collectives": collectives, "grad_dtype": grad_dtype,
-            "chunks_per_layer": -(-SEQ // CHUNK)}
+            "chunks_per_layer": chunks_per_layer}
+
+
+class ChunkCounter:
+    """Counts the streamed chunk computations (the adapter's ``chunk_forward``) while active: 0 for
+    a model that did not stream."""
+
+    def __enter__(self):
+        from ..models._llama import LlamaFamilyAdapter
+
+        self.calls, self._cls = 0, LlamaFamilyAdapter
+        self._plain = LlamaFamilyAdapter.chunk_forward
+
+        def counted(adapter, *args, **kwargs):
+            self.calls += 1
+            return self._plain(adapter, *args, **kwargs)
+
+        LlamaFamilyAdapter.chunk_forward = counted
+        return self
+
+    def __exit__(self, *exc):
+        self._cls.chunk_forward = self._plain
+        return False
 
 
 def _grad_dtype(engine, model):

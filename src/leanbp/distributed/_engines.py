@@ -28,6 +28,11 @@ BETAS = (0.9, 0.95)
 
 
 def launched_by_torchrun() -> bool:
+    """This process is a rank started by torchrun (even a world of one)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def several_processes() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
@@ -258,7 +263,7 @@ def make_engine(name: str, device: torch.device) -> Engine:
     if name not in ENGINES:
         raise ValueError(f"--engine must be one of {ENGINES}, got {name!r}")
     if name == "single":
-        if launched_by_torchrun():
+        if several_processes():
             raise ValueError("this process is one of several (WORLD_SIZE > 1): choose --engine ddp, fsdp2, zero2 or zero3")
         return Engine(device)
     if not launched_by_torchrun() and not dist.is_initialized():

@@ -32,4 +32,6 @@ def unroute(module: nn.Module) -> None:
 def _routed_forward(module: nn.Module, plain, *args, _leanbp_block=None, **kwargs):
     if _leanbp_block is None:
         return plain(*args, **kwargs)  # the module's own forward, for every call leanbp does not make
+    if kwargs:  # (a pre-forward hook added arguments the block would silently drop)
+        raise TypeError(f"a hook on {type(module).__name__} added arguments {sorted(kwargs)} to a call leanbp makes")
     return _leanbp_block(*args)

@@ -374,20 +374,22 @@ class ChunkedTokenStatsFunction(torch.autograd.Function):
         return (dinput, None, None, *_param_grads(ctx, grads.result(zeros_for_missing=True), 3))
 
 
-def token_stats(hidden: torch.Tensor, run: HeadRun, stats: tuple[str, ...], params: list[torch.Tensor]) -> dict:
-    """{name: (B, T) tensor} for "log_probs" and each requested name of ``STATS``."""
+def token_stats(hidden: torch.Tensor, run: HeadRun, stats: tuple[str, ...], params) -> dict:
+    """{name: (B, T) tensor} for "log_probs" and each requested name of ``STATS``. ``params()``
+    gives the trainable parameters of the norm and the head, looked up inside the head's call."""
     unknown = set(stats) - set(STATS)
     if unknown:
         raise ValueError(f"unknown per-token statistics {sorted(unknown)}; choose from {STATS}")
     # inside one call of the LM head module: engine hooks gather it once, not once per chunk
-    out = call_through(run.lm_head, lambda h: ChunkedTokenStatsFunction.apply(h, run, tuple(stats), *params), hidden)
+    out = call_through(run.lm_head, lambda h: ChunkedTokenStatsFunction.apply(h, run, tuple(stats), *params()), hidden)
     return {name: t for name, t in zip(STATS, out) if t is not None}
 
 
-def cross_entropy(hidden: torch.Tensor, run: HeadRun, denominator, params: list[torch.Tensor]) -> torch.Tensor:
-    """The summed CE of the labelled rows over ``denominator`` (transformers' causal-LM loss)."""
+def cross_entropy(hidden: torch.Tensor, run: HeadRun, denominator, params) -> torch.Tensor:
+    """The summed CE of the labelled rows over ``denominator`` (transformers' causal-LM loss);
+    ``params()`` as in ``token_stats``."""
     grad = torch.is_grad_enabled()
-    return call_through(run.lm_head, lambda h: ChunkedCrossEntropyFunction.apply(h, run, denominator, grad, *params),
+    return call_through(run.lm_head, lambda h: ChunkedCrossEntropyFunction.apply(h, run, denominator, grad, *params()),
                         hidden)
 
 

@@ -20,6 +20,7 @@ import inspect
 import sys
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
@@ -130,6 +131,8 @@ def stream(model: nn.Module, chunk_size: int = 1024, head_chunk_size: int = 256,
             f"attn_implementation={attn_impl!r} is not supported by leanbp.stream (it computes chunk "
             f"attention itself with SDPA); load the model with attn_implementation='sdpa'."
         )
+    if layers:  # (before anything is installed: a refusal leaves the model as it was)
+        prepare_for_engines(adapter.layers(), [adapter.final_norm(), adapter.lm_head()])
     state = _StreamState(config=config, adapter=adapter)
     if layers and _checkpointing(adapter):
         state.warn_once("checkpointing", _CHECKPOINTING_IGNORED)
@@ -140,7 +143,6 @@ def stream(model: nn.Module, chunk_size: int = 1024, head_chunk_size: int = 256,
         backbone = adapter.backbone()
         backbone._leanbp_stream = state
         install(backbone, "forward", _backbone_forward)
-        prepare_for_engines(adapter.layers())
     return model
 
 
@@ -343,7 +345,7 @@ def _labels_forward(lm: nn.Module, state: _StreamState, arguments: dict):
     grad = torch.is_grad_enabled()
     run = HeadRun(norm=norm, lm_head=lm_head, targets=targets, chunk_size=state.config.head_chunk_size,
                   autocast=AutocastState(hidden.device.type), input_is_scratch=scratch and grad)
-    loss = cross_entropy(hidden, run, denominator, _head_params(norm, lm_head))
+    loss = cross_entropy(hidden, run, denominator, partial(_head_params, norm, lm_head))
     logits = None
     if not grad and not lm.training and state.config.eval_logits:
         with run.autocast():
@@ -380,7 +382,7 @@ def _token_stats(lm: nn.Module, state: _StreamState, arguments: dict, targets: t
     run = HeadRun(norm=norm, lm_head=lm_head, targets=targets.to(hidden.device),
                   chunk_size=state.config.head_chunk_size, autocast=AutocastState(hidden.device.type),
                   transform=transform, fp32_head=fp32_head, input_is_scratch=scratch and torch.is_grad_enabled())
-    return token_stats(hidden, run, stats, _head_params(norm, lm_head))
+    return token_stats(hidden, run, stats, partial(_head_params, norm, lm_head))
 
 
 def _fused_head_forward(lm: nn.Module, state: _StreamState, spec, arguments: dict):
