@@ -287,3 +287,22 @@ def test_float64_model_under_bf16_autocast_runs_as_plain_transformers():
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
     loss.backward()
     assert abs(loss.item() - expected.item()) <= 1e-6 * abs(expected.item())
+
+
+def test_a_block_runs_once_inside_a_layer_that_checkpoints_in_its_own_call():
+    """Some transformers versions checkpoint a decoder layer in its ``__call__``; a streamed block
+    run through such a call must run once, not under checkpointing (StreamBP replaces it), and the
+    layer's setting is restored."""
+    from leanbp.engine._calls import call_through
+
+    class CheckpointingLayer(torch.nn.Module):
+        gradient_checkpointing = True
+
+        def __call__(self, *args, **kwargs):
+            if self.gradient_checkpointing:
+                raise AssertionError("the streamed block ran under the layer's checkpointing")
+            return super().__call__(*args, **kwargs)
+
+    layer, runs = CheckpointingLayer(), []
+    out = call_through(layer, lambda h: runs.append(1) or h * 2, torch.ones(3))
+    assert torch.equal(out, torch.full((3,), 2.0)) and runs == [1] and layer.gradient_checkpointing

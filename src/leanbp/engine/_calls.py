@@ -22,6 +22,14 @@ def call_through(module: nn.Module, block, *args):
     looked up inside it, after the engine's pre-forward hook has materialized them."""
     if installed(module, "forward", _routed_forward) is None:
         install(module, "forward", _routed_forward)  # once per module; other calls pass through
+    if getattr(module, "gradient_checkpointing", False) and type(module).__call__ is not nn.Module.__call__:
+        # a layer class that checkpoints in its own __call__ (transformers' GradientCheckpointingLayer
+        # in some versions) would run the streamed block twice: StreamBP replaces checkpointing
+        module.gradient_checkpointing = False
+        try:
+            return module(*args, _leanbp_block=block)
+        finally:
+            module.gradient_checkpointing = True
     return module(*args, _leanbp_block=block)
 
 
