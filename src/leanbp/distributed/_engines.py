@@ -207,15 +207,13 @@ class DeepSpeedEngine(_Distributed):
     def prepare(self, model, lr, weight_decay):
         import deepspeed
 
-        self.model = model
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                                      weight_decay=weight_decay, betas=BETAS)
+        super().prepare(model, lr, weight_decay)  # the same AdamW, handed to DeepSpeed to wrap
         config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                   "zero_optimization": {"stage": self.stage}, "zero_allow_untested_optimizer": True,
                   "gradient_clipping": 1.0, "steps_per_print": 10**9}
         if self.stage == 3:  # partition every parameter, however small (DeepSpeed keeps small ones whole)
             config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-        self.module, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        self.module, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=config)
 
     def backward(self, loss):
         self.module.backward(loss)
