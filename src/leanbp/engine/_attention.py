@@ -258,12 +258,18 @@ def _use_two_block(query: torch.Tensor) -> bool:
 
 
 def chunk_attention(query, prefix_key, prefix_value, key, value, masks: ChunkMasks, scale: float,
-                    sink: PrefixGradSink | None = None):
+                    sink: PrefixGradSink | None = None, softcap: float | None = None):
     """query (B, Hq, c, D); prefix_key/value (B, Hkv, p, D) or None; key/value (B, Hkv, c, D), the
     chunk's own rows -> (B, Hq, c, D). GQA needs no repeated K/V.
 
     With a ``sink``, the prefix's K/V gradients are added into it (rows key_begin..start) rather
-    than returned through autograd (the single-SDPA path, off CPU, still returns them)."""
+    than returned through autograd (the single-SDPA path, off CPU, still returns them).
+    A ``softcap`` (Gemma2's attention-logit soft-capping) goes to the block-by-block kernel on
+    every device: SDPA cannot cap its logits."""
+    if softcap is not None:
+        from ._softcap_attention import softcap_chunk_attention  # imports this module
+
+        return softcap_chunk_attention(query, prefix_key, prefix_value, key, value, masks, scale, softcap, sink)
     if not _use_two_block(query):
         return _single_call(query, prefix_key, prefix_value, key, value, masks, scale)
     if torch.is_autocast_enabled(query.device.type) and query.dtype != torch.float64:
