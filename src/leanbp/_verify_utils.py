@@ -11,49 +11,117 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _rmsnorm_full_precision(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    # transformers' RMSNorm computes in float32 even for a float64 model; here float64 stays float64
-    dtype = torch.promote_types(hidden_states.dtype, torch.float32)
-    x = hidden_states.to(dtype)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-    return self.weight * x.to(hidden_states.dtype)
-
-
 def patch_full_precision_norms(model: nn.Module) -> list[nn.Module]:
-    """Make transformers' RMSNorms in ``model`` keep float64 in float64 (they downcast to float32
-    internally); returns the patched norms.
+    """Make the norms in ``model`` keep float64 in float64 (transformers' RMSNorms downcast to
+    float32 internally); returns the patched norms. The family adapter says which modules are norms
+    and how they compute (e.g. Gemma's scale 1 + weight).
 
     Without this, a float64 model's norm backward rounds to float32, and any reordering of the same
     sums (which is all a chunked backward is) shows up as ~1e-7 differences that say nothing about
     the chunking. Used for verification only; the function computed is the same.
     """
+    from .models import adapter_class
+
+    family = adapter_class(model)
     patched = []
     for module in model.modules():
-        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
-            module.forward = types.MethodType(_rmsnorm_full_precision, module)
+        forward = family.full_precision_norm(module)
+        if forward is not None:
+            module.forward = types.MethodType(forward, module)
             patched.append(module)
     return patched
 
 
+_EXACT_EAGER = "leanbp_exact_eager"
+
+
+def _exact_eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None,
+                           **kwargs):
+    """transformers' eager attention (soft-capping included) with the softmax in the input dtype:
+    the eager path computes it in float32, which a float64 check would measure instead of leanbp.
+    query (B, Hq, T, D), key/value (B, Hkv, S, D); mask (B, 1, T, S) bool, True = may attend."""
+    if dropout:
+        raise ValueError("the float64 reference attention has no dropout")
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = query @ key.transpose(-1, -2) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask[..., : key.shape[-2]], float("-inf"))
+    probs = torch.softmax(scores, -1).nan_to_num(0.0)  # a row that sees nothing: 0, as SDPA
+    return (probs @ value).transpose(1, 2).contiguous(), probs
+
+
+def _register_exact_eager() -> None:
+    from functools import partial
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(_EXACT_EAGER, _exact_eager_attention)
+    # a boolean mask always (never "None, use is_causal"): the function above applies it itself
+    AttentionMaskInterface.register(_EXACT_EAGER, partial(sdpa_mask, allow_is_causal_skip=False))
+
+
 @contextlib.contextmanager
 def full_precision_norms(*models: nn.Module):
-    """``patch_full_precision_norms`` for the duration of the block."""
+    """``patch_full_precision_norms`` for the duration of the block; models on the eager attention
+    path (its softmax is float32) run ``_exact_eager_attention`` meanwhile."""
     patched = [norm for model in models for norm in patch_full_precision_norms(model)]
+    eager = [m for m in models if getattr(getattr(m, "config", None), "_attn_implementation", None) == "eager"]
+    if eager:
+        _register_exact_eager()
+    for model in eager:
+        model.config._attn_implementation = _EXACT_EAGER
     try:
         yield
     finally:
         for module in patched:
             del module.forward
+        for model in eager:
+            model.config._attn_implementation = "eager"
 
 
 def reference_causal_lm_loss(model: nn.Module, labels: torch.Tensor, num_items_in_batch=None, **inputs):
-    """transformers' causal-LM loss from full logits, without its float32 cast for float64 models."""
-    logits = model(**inputs).logits  # (B, T, V)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    """transformers' causal-LM loss from full logits (plus the load-balancing loss of a
+    mixture-of-experts model that asks for it), without its float32 casts for float64 models."""
+    routers = _routers(model)
+    out = model(**inputs, **({"output_router_logits": True} if routers else {}))
+    logits = out.logits.to(torch.promote_types(out.logits.dtype, torch.float32))  # (B, T, V)
     targets = F.pad(labels, (0, 1), value=-100)[:, 1:]
     reduction = "sum" if num_items_in_batch is not None else "mean"
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=reduction)
-    return loss / num_items_in_batch if num_items_in_batch is not None else loss
+    loss = loss / num_items_in_batch if num_items_in_batch is not None else loss
+    if routers:
+        aux = reference_load_balancing_loss(out.router_logits, routers[0], inputs.get("attention_mask"))
+        loss = loss + model.config.router_aux_loss_coef * aux
+    return loss
+
+
+def _routers(model: nn.Module) -> list:
+    """The routers of a mixture-of-experts model whose config asks for the load-balancing loss."""
+    from .models import adapter_class
+
+    if not getattr(getattr(model, "config", None), "output_router_logits", False):
+        return []
+    adapter = adapter_class(model)(model)
+    return [r for r in map(adapter.router, adapter.layers()) if r is not None]
+
+
+def reference_load_balancing_loss(router_logits, router, attention_mask=None) -> torch.Tensor:
+    """transformers' ``load_balancing_loss_func`` from every layer's (B*T, E) router logits, all at
+    once and in the logits' dtype (transformers sums the probabilities in float32)."""
+    logits = torch.cat(list(router_logits), 0)  # (L*B*T, E)
+    probs = torch.softmax(logits, -1)
+    chosen = torch.topk(probs, router.top_k, -1).indices  # (N, k)
+    routed = F.one_hot(chosen, router.num_experts).sum(1).to(probs.dtype)  # (N, E)
+    weights = torch.ones(len(logits), 1, dtype=probs.dtype)
+    if attention_mask is not None:
+        weights = attention_mask.reshape(-1, 1).repeat(len(router_logits), 1).to(probs.dtype)
+    rows = weights.sum()
+    fraction = (routed * weights).sum(0) / rows
+    return (fraction * ((probs * weights).sum(0) / rows)).sum() * router.num_experts
 
 
 def streamed_vs_plain(model: nn.Module, labels: torch.Tensor, inputs: dict, stream_kwargs: dict | None = None,

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from .._patching import install, uninstall
+from ..models import NormSite, approx_recipe_for
 from ._activations import ReGELU2, ReSiLU2
 from ._norms import MSLayerNorm, MSRMSNorm
 from ._restore import FoldRecord
@@ -82,17 +83,6 @@ class _ApproxState:
     notes: list[str] = field(default_factory=list)
 
 
-@dataclass
-class _NormSite:
-    """A norm whose output feeds ``consumers`` (linear layers) and, for post-LN blocks, the
-    residual input of ``residual`` (a module called as ``residual(hidden, input_tensor)``)."""
-
-    parent: nn.Module
-    attr: str
-    consumers: list[nn.Module]
-    residual: nn.Module | None = None
-
-
 def is_approximated(model: nn.Module) -> bool:
     return "_leanbp_approx" in vars(model)
 
@@ -112,7 +102,7 @@ def _consumer_params(linear: nn.Module, prefix: str):
     raise NotImplementedError(f"{prefix} is a {type(linear).__name__}; only nn.Linear and PEFT LoRA layers can be folded")
 
 
-def _foldable(site: _NormSite, names) -> str | None:
+def _foldable(site: NormSite, names) -> str | None:
     """Why this norm cannot be folded, or None."""
     norm = getattr(site.parent, site.attr)
     gamma = norm.weight.detach()
@@ -137,7 +127,7 @@ def _residual_forward(module, plain, norm, hidden_states, input_tensor, *args, *
     return plain(hidden_states, input_tensor, *args, **kwargs)
 
 
-def _fold_norm(state: _ApproxState, model: nn.Module, names, site: _NormSite) -> None:
+def _fold_norm(state: _ApproxState, model: nn.Module, names, site: NormSite) -> None:
     reason = _foldable(site, names)
     if reason is not None:
         state.notes.append(reason)
@@ -180,55 +170,6 @@ def _fold_norm(state: _ApproxState, model: nn.Module, names, site: _NormSite) ->
                              site.residual))
 
 
-# -- family recipes: which norms feed which linears, and which activation to swap ------------------
-def _llama_sites(model, notes):
-    decoder, sites = model.model, []
-    for layer in decoder.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        sites.append(_NormSite(layer, "input_layernorm", [attn.q_proj, attn.k_proj, attn.v_proj]))
-        sites.append(_NormSite(layer, "post_attention_layernorm", [mlp.gate_proj, mlp.up_proj]))
-    head = model.get_output_embeddings()
-    if head.weight is model.get_input_embeddings().weight:
-        notes.append("final norm kept exact: the LM head is tied to the embedding")
-    else:
-        sites.append(_NormSite(decoder, "norm", [head]))
-    if hasattr(decoder.layers[0].self_attn, "q_norm"):
-        notes.append("q/k norms kept exact: they feed RoPE, not a linear layer")
-    return sites, [(layer.mlp, "act_fn") for layer in decoder.layers]
-
-
-def _vit_sites(model, notes):
-    vit = model.vit if hasattr(model, "vit") else model
-    sites = []
-    for layer in vit.layers:
-        attn = layer.attention
-        sites.append(_NormSite(layer, "layernorm_before", [attn.q_proj, attn.k_proj, attn.v_proj]))
-        sites.append(_NormSite(layer, "layernorm_after", [layer.mlp.fc1]))
-    if isinstance(getattr(model, "classifier", None), nn.Linear):
-        sites.append(_NormSite(vit, "layernorm", [model.classifier]))
-    else:
-        notes.append("final layernorm kept exact: it feeds no linear layer leanbp can fold into")
-    return sites, [(layer.mlp, "activation_fn") for layer in vit.layers]
-
-
-def _bert_sites(model, notes):
-    base = getattr(model, model.base_model_prefix, model)
-    layers = base.encoder.layer
-    sites = []
-    for i, layer in enumerate(layers):
-        # post-LN: each norm's output feeds linears *and* the next residual sum
-        sites.append(_NormSite(layer.attention.output, "LayerNorm", [layer.intermediate.dense], layer.output))
-        if i + 1 < len(layers):
-            nxt = layers[i + 1].attention
-            sites.append(_NormSite(layer.output, "LayerNorm", [nxt.self.query, nxt.self.key, nxt.self.value],
-                                   nxt.output))
-    notes.append("embedding and last-layer LayerNorms kept exact: dropout follows the first, "
-                 "task heads read the second")
-    return sites, [(layer.intermediate, "intermediate_act_fn") for layer in layers]
-
-
-_RECIPES = {"llama": _llama_sites, "mistral": _llama_sites, "qwen2": _llama_sites, "qwen3": _llama_sites,
-            "vit": _vit_sites, "bert": _bert_sites, "roberta": _bert_sites}
 _ACTIVATIONS = {"silu": ReSiLU2, "swish": ReSiLU2, "gelu": ReGELU2}
 
 
@@ -241,14 +182,10 @@ def approx(model: nn.Module, activations: bool = True, norms: bool = True) -> nn
     (post-LayerNorm: the residual branch gets gamma and beta back)."""
     if is_approximated(model):
         raise ValueError("model is already approximated; call leanbp.unapprox(model) first")
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in _RECIPES:
-        raise NotImplementedError(
-            f"leanbp.approx has no recipe for model_type={model_type!r}; supported: {', '.join(sorted(_RECIPES))}"
-        )
+    recipe = approx_recipe_for(model)  # the family's adapter: fold sites and activation owners
     state = _ApproxState(activations=activations, norms=norms)
     names = {m: n for n, m in model.named_modules()}
-    sites, act_owners = _RECIPES[model_type](model, state.notes)
+    sites, act_owners = recipe.norm_sites(state.notes), recipe.activation_owners()
     if activations:
         act_name = getattr(model.config, "hidden_act", None)
         replacement = _ACTIVATIONS.get(act_name)

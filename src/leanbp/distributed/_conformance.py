@@ -221,16 +221,16 @@ class ChunkCounter:
     a model that did not stream."""
 
     def __enter__(self):
-        from ..models._llama import LlamaFamilyAdapter
+        from ..models import DecoderAdapter
 
-        self.calls, self._cls = 0, LlamaFamilyAdapter
-        self._plain = LlamaFamilyAdapter.chunk_forward
+        self.calls, self._cls = 0, DecoderAdapter
+        self._plain = DecoderAdapter.chunk_forward
 
         def counted(adapter, *args, **kwargs):
             self.calls += 1
             return self._plain(adapter, *args, **kwargs)
 
-        LlamaFamilyAdapter.chunk_forward = counted
+        DecoderAdapter.chunk_forward = counted
         return self
 
     def __exit__(self, *exc):

@@ -18,6 +18,7 @@ from ._attention import Documents
 from ._calls import call_through
 from ._grads import AutocastState, GradSum
 from ._layer import LayerRun, StreamedLayerFunction
+from ._moe import RouterStats
 
 
 def trainable(module: nn.Module) -> list[torch.Tensor]:
@@ -36,8 +37,9 @@ def check_attention_mask(attention_mask, batch: int, length: int) -> None:
 
 
 def decoder_layers(adapter, config, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None,
-                   ) -> torch.Tensor:
-    """(B, T, H) output of the last decoder layer (before the final norm), streamed.
+                   router_stats: bool = False):
+    """(B, T, H) output of the last decoder layer (before the final norm), streamed, and the
+    ``RouterStats`` of its mixture-of-experts layers when ``router_stats`` (else None).
 
     Packed rows: with ``position_ids`` that restart inside a row and no ``attention_mask``, every
     document attends only to itself (transformers' rule); with an attention mask the position ids
@@ -57,22 +59,31 @@ def decoder_layers(adapter, config, input_ids=None, inputs_embeds=None, attentio
         raise ValueError(f"position_ids must have shape (batch or 1, seq) = ({B}, {T}), got {tuple(position_ids.shape)}")
     position_ids = position_ids.to(hidden.device)
     documents = Documents.from_position_ids(position_ids, B) if attention_mask is None else None
-    cos, sin = adapter.position_embeddings(hidden, position_ids)
+    rope = adapter.position_embeddings(hidden, position_ids)  # per layer (cos, sin), (1 or B, T, R) each
     key_keep = None
     if attention_mask is not None and not bool(attention_mask.all()):
         key_keep = attention_mask.to(device=hidden.device, dtype=torch.bool)
+    stats = RouterStats(key_keep, B, T) if router_stats else None
     autocast = AutocastState(hidden.device.type)
     check_layers(adapter.layers())
     for i, layer in enumerate(adapter.layers()):
-        run = LayerRun(adapter=adapter, layer=layer, window=adapter.sliding_window(i), cos=cos, sin=sin,
-                       key_keep=key_keep, documents=documents, chunk_size=config.chunk_size, autocast=autocast)
+        router = adapter.router(layer) if stats is not None else None
+        run = LayerRun(adapter=adapter, layer=layer, window=adapter.sliding_window(i),
+                       softcap=adapter.attention_softcap(i), cos=rope[i][0], sin=rope[i][1], key_keep=key_keep,
+                       documents=documents, chunk_size=config.chunk_size, autocast=autocast, router=router,
+                       router_stats=stats if router is not None else None)
         # the layer's own call runs the streamed layer, so engine hooks fire once per layer per step
         hidden = call_through(layer, partial(_streamed_layer, layer, run), hidden)
-    return hidden
+    return hidden, stats
 
 
 def _streamed_layer(layer: nn.Module, run: LayerRun, hidden: torch.Tensor) -> torch.Tensor:
-    return StreamedLayerFunction.apply(hidden, run, *trainable(layer))
+    out = StreamedLayerFunction.apply(hidden, run, *trainable(layer))
+    if run.router_stats is None:
+        return out
+    out, prob_sum = out
+    run.router_stats.prob_sums.append(prob_sum)
+    return out
 
 
 class RowwiseFunction(torch.autograd.Function):

@@ -12,6 +12,9 @@ projection's graph never spans more than one chunk. Prefix rows receive their dK
 
 The parameters are explicit inputs of the Function and their chunk gradients are summed before
 being returned, so each parameter's gradient reaches autograd (and DDP/FSDP hooks) once.
+
+A mixture-of-experts layer whose load-balancing loss is asked for also returns its rows' summed
+router probabilities (E,), and adds that output's gradient to every recomputed chunk (``_moe.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch import nn
 
 from ._attention import ChunkMasks, Documents, PrefixGradSink, key_start
 from ._grads import AutocastState, GradSum
+from ._moe import RouterStats
 
 
 @dataclass
@@ -32,12 +36,15 @@ class LayerRun:
     adapter: object
     layer: nn.Module
     window: int | None
+    softcap: float | None  # attention logit soft-capping
     cos: torch.Tensor  # (1 or B, T, D)
     sin: torch.Tensor
     key_keep: torch.Tensor | None  # (B, T) bool, None when nothing is padded
     documents: Documents | None  # packed rows, None when every row is one sequence
     chunk_size: int
     autocast: AutocastState
+    router: object = None  # models.Router of a mixture-of-experts layer whose statistics are asked for
+    router_stats: RouterStats | None = None
 
     def chunks(self, length: int) -> list[tuple[int, int]]:
         return [(s, min(s + self.chunk_size, length)) for s in range(0, length, self.chunk_size)]
@@ -50,26 +57,32 @@ class LayerRun:
         return begin
 
     def chunk_out(self, hidden_c, prefix_key, prefix_value, start, end, sink=None):
-        """(output, own key, own value) of rows [start, end); prefix_* are K/V rows
-        [key_begin(start), start), or None when that range is empty."""
+        """The ``LayerChunk`` (output, own key, own value, router logits) of rows [start, end);
+        prefix_* are K/V rows [key_begin(start), start), or None when that range is empty."""
         masks = ChunkMasks(start, end, self.key_begin(start), self.window, self.key_keep, hidden_c.device,
                            self.documents)
         return self.adapter.chunk_forward(
             self.layer, hidden_c, prefix_key, prefix_value, self.cos[:, start:end], self.sin[:, start:end], masks,
-            sink,
+            sink, self.softcap,
         )
 
 
 class StreamedLayerFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, run: LayerRun, *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, hidden: torch.Tensor, run: LayerRun, *params: torch.Tensor):
         out = torch.empty_like(hidden)
         key_buf = value_buf = None  # (B, Hkv, T, D), filled chunk by chunk
+        prob_sum = None  # (E,) router probabilities summed over the rows, when asked for
         with torch.no_grad():
             for s, e in run.chunks(hidden.shape[1]):
                 kb = run.key_begin(s)
                 prefix = (key_buf[:, :, kb:s], value_buf[:, :, kb:s]) if s > kb else (None, None)
-                out[:, s:e], key_c, value_c = run.chunk_out(hidden[:, s:e], *prefix, s, e)
+                out[:, s:e], key_c, value_c, logits = run.chunk_out(hidden[:, s:e], *prefix, s, e)
+                if run.router_stats is not None:
+                    run.router_stats.add_chunk_counts(run.router, logits, s, e)
+                    chunk_sum = run.router_stats.chunk_prob_sum(logits, s, e)
+                    prob_sum = chunk_sum if prob_sum is None else prob_sum + chunk_sum
+                    del logits  # Memory: one chunk's router logits at a time
                 if key_buf is None:
                     key_buf = key_c.new_empty((*key_c.shape[:2], hidden.shape[1], key_c.shape[3]))
                     value_buf = value_c.new_empty((*value_c.shape[:2], hidden.shape[1], value_c.shape[3]))
@@ -77,10 +90,10 @@ class StreamedLayerFunction(torch.autograd.Function):
         # Memory: the layer input is the only activation kept until backward.
         ctx.save_for_backward(hidden, *params)
         ctx.run = run
-        return out
+        return out if prob_sum is None else (out, prob_sum)
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
+    def backward(ctx, grad_out: torch.Tensor, grad_prob_sum: torch.Tensor | None = None):
         hidden, *params = ctx.saved_tensors
         run: LayerRun = ctx.run
         need_input = ctx.needs_input_grad[0]
@@ -115,8 +128,13 @@ class StreamedLayerFunction(torch.autograd.Function):
                 prefix_key = key[:, :, kb:s].detach().requires_grad_()
                 prefix_value = value[:, :, kb:s].detach().requires_grad_()
             with torch.enable_grad(), run.autocast():
-                out_c, key_c, value_c = run.chunk_out(hidden_c, prefix_key, prefix_value, s, e, sink)
+                out_c, key_c, value_c, logits = run.chunk_out(hidden_c, prefix_key, prefix_value, s, e, sink)
+                if grad_prob_sum is not None:  # the load-balancing loss's share of this chunk
+                    prob_sum_c = run.router_stats.chunk_prob_sum(logits, s, e)
             outputs, grad_outputs = [out_c], [grad_out[:, s:e]]
+            if grad_prob_sum is not None:
+                outputs.append(prob_sum_c)
+                grad_outputs.append(grad_prob_sum)
             if sink is not None and sink.dkey is not None:  # what later chunks sent to this chunk's own rows
                 for own, d in ((key_c, sink.dkey), (value_c, sink.dvalue)):
                     if own.requires_grad:
@@ -133,7 +151,7 @@ class StreamedLayerFunction(torch.autograd.Function):
                     sink.add(kb, s, dprefix_key, dprefix_value)
                 del dprefix_key, dprefix_value
             grads.add(g)
-            del out_c, key_c, value_c, g
+            del out_c, key_c, value_c, logits, g
 
         it = iter(grads.result())
         return (dhidden, None, *[next(it) if need else None for need in ctx.needs_input_grad[2:]])

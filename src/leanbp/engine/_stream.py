@@ -27,13 +27,12 @@ from torch import nn
 
 from .._patching import install, installed, uninstall
 from ..distributed import gathers_per_call, prepare_for_engines
-from ..models import adapter_for
 from ._calls import unroute
 from ._decoder import check_attention_mask, decoder_layers, rowwise, trainable
 from ._grads import AutocastState
 from ._head import HeadRun, IGNORE_INDEX, LogitTransform, cross_entropy, shift_labels, token_stats
 
-_SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+_SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "leanbp_exact_eager")
 # arguments that do not change what a streamed call computes: varlen metadata of packed rows (the
 # documents are read from position_ids, as transformers' SDPA path does) and output formatting
 _HARMLESS = ("return_dict", "cache_position", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
@@ -124,9 +123,11 @@ def stream(model: nn.Module, chunk_size: int = 1024, head_chunk_size: int = 256,
             raise ValueError("model is already streamed; call leanbp.unstream(model) first to change chunk sizes")
         # something (TRL's fused head) wrapped the streamed forward since: leanbp goes on top again
         _uninstall(lm)
-    adapter = adapter_for(lm)
+    from ..models import adapter_for  # (the adapters build on the engine's attention and head)
+
+    adapter = adapter_for(lm, layers=layers)
     attn_impl = getattr(lm.config, "_attn_implementation", None) or "eager"
-    if attn_impl not in _SUPPORTED_ATTENTION:
+    if layers and attn_impl not in _SUPPORTED_ATTENTION:
         raise NotImplementedError(
             f"attn_implementation={attn_impl!r} is not supported by leanbp.stream (it computes chunk "
             f"attention itself with SDPA); load the model with attn_implementation='sdpa'."
@@ -222,12 +223,12 @@ def _check_training_call(state: _StreamState, module: nn.Module, used: list[nn.M
             "would get none. Freeze them, or call leanbp.unstream(model)."
         )
     if module.training:
-        for i in range(len(adapter.layers())):
-            if adapter.attention_dropout(i) > 0:
-                raise NotImplementedError(
-                    "attention dropout > 0 in training is not supported by leanbp.stream (a recomputed chunk "
-                    "would draw a different mask); set config.attention_dropout = 0.0"
-                )
+        random_ops = adapter.training_randomness()
+        if random_ops:
+            raise NotImplementedError(
+                f"{', '.join(random_ops)} in training is not supported by leanbp.stream (a recomputed chunk "
+                "would draw different random numbers); set it to 0.0 in the model's config"
+            )
     if _checkpointing(adapter):
         state.warn_once("checkpointing", _CHECKPOINTING_IGNORED)
 
@@ -258,7 +259,7 @@ def _backbone_forward(backbone: nn.Module, plain, *args, **kwargs):
     adapter = state.adapter
     _check_training_call(state, backbone, [adapter.embed_tokens(), *adapter.layers(), adapter.final_norm()])
     _warn_if_trl_head_outside(state, adapter.model)
-    hidden = decoder_layers(adapter, state.config, **_data(arguments))
+    hidden, _ = decoder_layers(adapter, state.config, **_data(arguments))
     hidden = rowwise(adapter.final_norm(), hidden, state.config.chunk_size)
     return BaseModelOutputWithPast(last_hidden_state=hidden)
 
@@ -295,15 +296,17 @@ def _lm_forward(lm: nn.Module, plain, *args, **kwargs):
     arguments = _arguments(lm, args, kwargs)
     if arguments.get("labels") is None:
         return plain(*args, **kwargs)  # the model's own forward; its backbone call streams
-    reasons = _blocking(arguments)
+    # (a labels call adds the load-balancing loss itself, from statistics gathered while streaming)
+    reasons = [r for r in _blocking(arguments) if r != "output_router_logits"]
     if reasons:
         _bypass(state, lm, arguments, reasons)
         return plain(*args, **kwargs)
     return _labels_forward(lm, state, arguments)
 
 
-def _hidden_for_head(lm: nn.Module, state: _StreamState, arguments: dict):
-    """(hidden rows for the head, the norm the head applies first, whether the rows are scratch)."""
+def _hidden_for_head(lm: nn.Module, state: _StreamState, arguments: dict, router_stats: bool = False):
+    """(hidden rows for the head, the norm the head applies first, whether the rows are scratch,
+    the router statistics when asked for)."""
     adapter = state.adapter
     head_modules = [adapter.final_norm(), adapter.lm_head()]
     if not state.config.layers:
@@ -312,29 +315,45 @@ def _hidden_for_head(lm: nn.Module, state: _StreamState, arguments: dict):
         if rows is not None:  # (a missing input is the backbone's error to raise)
             check_attention_mask(arguments.get("attention_mask"), rows.shape[0], rows.shape[1])
         out = adapter.backbone()(**_data(arguments), use_cache=False)
-        return out.last_hidden_state, nn.Identity(), False
+        return out.last_hidden_state, nn.Identity(), False, None
     if _builds_graph(lm, arguments):
         _check_training_call(state, lm, [adapter.embed_tokens(), *adapter.layers(), *head_modules])
-    hidden = decoder_layers(adapter, state.config, **_data(arguments))
+    hidden, stats = decoder_layers(adapter, state.config, **_data(arguments), router_stats=router_stats)
     if gathers_per_call(adapter.final_norm()):
         # the head cannot apply the norm inside its own chunks without using the norm's parameters
         # outside the norm's calls: the norm gets its own (chunked) call; costs one (B, T, H) tensor
-        return rowwise(adapter.final_norm(), hidden, state.config.chunk_size), nn.Identity(), False
+        return rowwise(adapter.final_norm(), hidden, state.config.chunk_size), nn.Identity(), False, stats
     # the last layer's output is read by the head only: its buffer can hold the head's input gradient
     # (never the caller's inputs_embeds, which a model without layers would pass straight through)
-    return hidden, adapter.final_norm(), len(adapter.layers()) > 0
+    return hidden, adapter.final_norm(), len(adapter.layers()) > 0, stats
 
 
 def _head_params(norm: nn.Module, lm_head: nn.Module) -> list[torch.Tensor]:
     return list(dict.fromkeys(trainable(norm) + trainable(lm_head)))
 
 
+def _router_logits_asked(lm: nn.Module, state: _StreamState, arguments: dict) -> bool:
+    """Does this call add the load-balancing loss (transformers: ``output_router_logits``)?"""
+    asked = arguments.get("output_router_logits")
+    if asked is None:
+        asked = getattr(lm.config, "output_router_logits", False)
+    if not asked or not any(state.adapter.router(layer) for layer in state.adapter.layers()):
+        return False
+    if not state.config.layers:
+        raise NotImplementedError(
+            "the load-balancing loss (output_router_logits) needs streamed layers: leanbp gathers the router "
+            "statistics while streaming them; use leanbp.stream(model) with layers=True"
+        )
+    return True
+
+
 def _labels_forward(lm: nn.Module, state: _StreamState, arguments: dict):
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     labels = arguments["labels"]
     _check_targets(arguments, labels)
-    hidden, norm, scratch = _hidden_for_head(lm, state, arguments)
+    with_aux = _router_logits_asked(lm, state, arguments)
+    hidden, norm, scratch, router_stats = _hidden_for_head(lm, state, arguments, router_stats=with_aux)
     targets = shift_labels(labels.to(hidden.device))
     denominator = arguments.get("num_items_in_batch")
     if denominator is None:
@@ -344,13 +363,20 @@ def _labels_forward(lm: nn.Module, state: _StreamState, arguments: dict):
     lm_head = state.adapter.lm_head()
     grad = torch.is_grad_enabled()
     run = HeadRun(norm=norm, lm_head=lm_head, targets=targets, chunk_size=state.config.head_chunk_size,
-                  autocast=AutocastState(hidden.device.type), input_is_scratch=scratch and grad)
+                  autocast=AutocastState(hidden.device.type), transform=state.adapter.logit_transform(),
+                  input_is_scratch=scratch and grad)
     loss = cross_entropy(hidden, run, denominator, partial(_head_params, norm, lm_head))
     logits = None
     if not grad and not lm.training and state.config.eval_logits:
         with run.autocast():
             logits = lm_head(norm(hidden))  # (B, T, V): evaluation asked for them, as in transformers
-    return CausalLMOutputWithPast(loss=loss, logits=logits)
+        if not run.transform.identity:
+            logits = run.transform.apply_(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+    if router_stats is None:
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+    aux_loss = router_stats.loss()
+    loss = loss + state.adapter.router_aux_loss_coef() * aux_loss.to(loss.dtype)
+    return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits)
 
 
 def token_log_probs(model: nn.Module, labels: torch.Tensor, *, input_ids=None, inputs_embeds=None,
@@ -370,14 +396,14 @@ def token_log_probs(model: nn.Module, labels: torch.Tensor, *, input_ids=None, i
         raise ValueError("token_log_probs needs a streamed model: call leanbp.stream(model) first")
     arguments = dict(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                      position_ids=position_ids)
-    return _token_stats(lm, state, arguments, shift_labels(labels), LogitTransform(temperature=temperature), False,
-                        tuple(stats))
+    transform = LogitTransform(softcap=state.adapter.logit_transform().softcap, temperature=temperature)
+    return _token_stats(lm, state, arguments, shift_labels(labels), transform, False, tuple(stats))
 
 
 def _token_stats(lm: nn.Module, state: _StreamState, arguments: dict, targets: torch.Tensor,
                  transform: LogitTransform, fp32_head: bool, stats: tuple[str, ...]) -> dict[str, torch.Tensor]:
     _check_targets(arguments, targets)
-    hidden, norm, scratch = _hidden_for_head(lm, state, arguments)
+    hidden, norm, scratch, _ = _hidden_for_head(lm, state, arguments)
     lm_head = state.adapter.lm_head()
     run = HeadRun(norm=norm, lm_head=lm_head, targets=targets.to(hidden.device),
                   chunk_size=state.config.head_chunk_size, autocast=AutocastState(hidden.device.type),

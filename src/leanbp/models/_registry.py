@@ -1,31 +1,88 @@
-"""Registry of family adapters keyed by ``config.model_type``."""
+"""The registry of family adapters: the only place a ``config.model_type`` string appears."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from ._llama import LlamaFamilyAdapter
+from ._base import FamilyAdapter
+from ._encoders import BertRecipe, VitRecipe
+from ._gemma import Gemma2Adapter, Gemma3Adapter
+from ._head_only import HeadOnlyAdapter
+from ._llama import LlamaAdapter, MistralAdapter, Qwen3Adapter
+from ._moe import MixtralAdapter, Qwen3MoeAdapter
+from ._olmo2 import Olmo2Adapter
+from ._phi3 import Phi3Adapter
 
-_ADAPTERS = {t: LlamaFamilyAdapter for t in LlamaFamilyAdapter.model_types}
+_ADAPTERS: dict[str, type[FamilyAdapter]] = {
+    "llama": LlamaAdapter,
+    "mistral": MistralAdapter,
+    "qwen2": LlamaAdapter,
+    "qwen3": Qwen3Adapter,
+    "gemma2": Gemma2Adapter,
+    "gemma3_text": Gemma3Adapter,
+    "phi3": Phi3Adapter,
+    "olmo2": Olmo2Adapter,
+    "qwen3_moe": Qwen3MoeAdapter,
+    "mixtral": MixtralAdapter,
+}
+
+
+# encoders that leanbp.approx patches (fold sites and activations only; nothing to stream)
+_APPROX_ONLY = {"vit": VitRecipe, "bert": BertRecipe, "roberta": BertRecipe}
 
 
 def supported_model_types() -> tuple[str, ...]:
     return tuple(sorted(_ADAPTERS))
 
 
-def adapter_for(model: nn.Module):
-    """The adapter for a transformers causal LM, or a clear error saying what is unsupported."""
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in _ADAPTERS:
-        raise NotImplementedError(
-            f"leanbp has no adapter for model_type={model_type!r} ({type(model).__name__}). "
-            f"Supported: {', '.join(supported_model_types())}. An adapter says how a decoder layer "
-            "splits into K/V for all rows and the rest for a chunk of rows (see leanbp/models/_llama.py)."
-        )
-    if not (hasattr(model, "model") and hasattr(model, "lm_head")):
-        raise NotImplementedError(
-            f"{type(model).__name__} is a {model_type} model without a causal LM head; leanbp.stream "
-            "expects the *ForCausalLM class (e.g. AutoModelForCausalLM)."
-        )
-    return _ADAPTERS[model_type](model)
+def model_type_of(model: nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
+def adapter_class(model: nn.Module) -> type[FamilyAdapter]:
+    """The adapter class of ``model``'s family (the base class for any other model: its generic
+    answers, e.g. for float64 norms, still apply)."""
+    return _ADAPTERS.get(model_type_of(model), FamilyAdapter)
+
+
+def adapter_for(model: nn.Module, layers: bool = True) -> FamilyAdapter:
+    """The adapter for a transformers causal LM, or a clear error saying what is unsupported.
+
+    ``layers=False`` (only the LM head is chunked) works for any causal LM with an output embedding."""
+    model_type = model_type_of(model)
+    name = type(model).__name__
+    if model_type in _ADAPTERS:
+        if not (hasattr(model, "model") and hasattr(model, "lm_head")):
+            raise NotImplementedError(
+                f"{name} is a {model_type} model without a causal LM head; leanbp.stream expects the "
+                "*ForCausalLM class (e.g. AutoModelForCausalLM)."
+            )
+        adapter = _ADAPTERS[model_type](model)
+        adapter.check()
+        return adapter
+    has_head = callable(getattr(model, "get_output_embeddings", None)) and model.get_output_embeddings() is not None
+    backbone = getattr(model, "base_model", None)
+    if not layers and has_head and isinstance(backbone, nn.Module) and backbone is not model:
+        return HeadOnlyAdapter(model)
+    fallback = (
+        f" {name} has an output embedding, so leanbp.stream(model, layers=False) chunks its LM head and "
+        "loss (the largest single activation) while transformers runs the decoder."
+        if has_head else ""
+    )
+    raise NotImplementedError(
+        f"leanbp has no adapter for model_type={model_type!r} ({name}). Streamed layers: "
+        f"{', '.join(supported_model_types())}.{fallback} Adding a family: see 'Adding a family' in the README."
+    )
+
+
+def approx_recipe_for(model: nn.Module):
+    """What ``leanbp.approx`` needs (``norm_sites``, ``activation_owners``) for ``model``'s family."""
+    model_type = model_type_of(model)
+    if model_type in _ADAPTERS:
+        return _ADAPTERS[model_type](model)
+    if model_type in _APPROX_ONLY:
+        return _APPROX_ONLY[model_type](model)
+    raise NotImplementedError(
+        f"leanbp.approx has no recipe for model_type={model_type!r}; supported: "
+        f"{', '.join(sorted({*_ADAPTERS, *_APPROX_ONLY}))}"
+    )

@@ -1,0 +1,266 @@
+"""What leanbp needs from a model family, stated once.
+
+A family adapter answers three clients:
+
+* the streamed engine (``leanbp.engine``): where the embedding, decoder layers, final norm and LM
+  head live; the rotary embedding each layer uses; each layer's attention kind (sliding window,
+  logit soft-capping); the split of a decoder layer into "K/V of given rows" (``key_value``) and
+  "everything else for a chunk of rows" (``chunk_forward``); the transform applied to the logits;
+  the router of a mixture-of-experts layer;
+* the approx patcher (``leanbp.approx``): which norms feed which linear layers (fold sites for the
+  memory-sharing norms) and which modules own the MLP activation;
+* the float64 verifier (``leanbp._verify_utils``): a full-precision forward for the family's norms.
+
+Adapters call the layer's own submodules (so PEFT-wrapped linears, custom norms and activations
+keep working), look modules up on every call (PEFT and engine wrappers replace them), and never copy
+a modeling file. ``DecoderAdapter`` implements the split for the common shape of a decoder layer;
+a family overrides the few hooks where it differs. The registry (``_registry.py``) is the only
+place a ``model_type`` string appears.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
+
+import torch
+from torch import nn
+
+from ..engine._attention import ChunkMasks, PrefixGradSink, chunk_attention
+from ..engine._head import LogitTransform
+
+
+class LayerChunk(NamedTuple):
+    """What ``chunk_forward`` returns for rows [s, e) of one layer."""
+
+    out: torch.Tensor  # (B, c, H)
+    key: torch.Tensor  # (B, Hkv, c, D): the chunk's own K/V rows, computed from the same normed rows
+    value: torch.Tensor
+    router_logits: torch.Tensor | None = None  # (B*c, E) for a mixture-of-experts layer
+
+
+@dataclass
+class NormSite:
+    """A norm whose output feeds only ``consumers`` (linear layers), so MS-BP can fold its affine
+    into them; ``residual`` is the module that adds the norm's output to a residual (post-LN)."""
+
+    parent: nn.Module
+    attr: str
+    consumers: list
+    residual: nn.Module | None = None
+
+
+@dataclass(frozen=True)
+class Router:
+    """A mixture-of-experts layer's router: ``module``'s output[0] are the router logits (N, E)."""
+
+    module: nn.Module
+    num_experts: int
+    top_k: int
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) over the last dim: the RoPE rotation of these families. Written here,
+    not looked up through the layer's class module (FSDP2 swaps that class for a generated one)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, H, n, D); cos/sin (1 or B, n, R) with R <= D: the first R dims rotate (partial rotary,
+    as Phi3 configures it), the rest pass through."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, n, R): broadcast over heads
+    rotary = cos.shape[-1]
+    if rotary == x.shape[-1]:
+        out = x * cos + rotate_half(x) * sin
+    else:
+        x_rot, x_pass = x[..., :rotary], x[..., rotary:]
+        out = torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+    return out.to(x.dtype)  # (OLMo2's rotary embedding is float32 for a bf16 model; x keeps its dtype)
+
+
+def rms_norm_full_precision(module: nn.Module, hidden: torch.Tensor, plus_one: bool = False) -> torch.Tensor:
+    """transformers' RMSNorm computes in float32 even for a float64 model; here float64 stays
+    float64 (``plus_one``: the Gemma form, scale 1 + weight)."""
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    x = hidden.to(dtype)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if plus_one:
+        return (x * (1.0 + module.weight.to(dtype))).to(hidden.dtype)
+    return module.weight * x.to(hidden.dtype)
+
+
+class FamilyAdapter(ABC):
+    """Everything leanbp needs from one model family. One instance per streamed model."""
+
+    #: the ``config.model_type`` values this adapter serves (read by the registry only)
+    model_types: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.config = model.config
+
+    # -- where things live (looked up on every call) ----------------------------------------------
+    def backbone(self) -> nn.Module:
+        """The module whose forward returns ``last_hidden_state``."""
+        return self.model.model
+
+    def layers(self) -> nn.ModuleList:
+        return self.backbone().layers
+
+    def embed_tokens(self) -> nn.Module:
+        """The input embedding, including any scaling the family applies to it."""
+        return self.backbone().embed_tokens
+
+    def final_norm(self) -> nn.Module:
+        return self.backbone().norm
+
+    def lm_head(self) -> nn.Module:
+        return self.model.lm_head
+
+    def check(self) -> None:
+        """Raise ``NotImplementedError`` for a configuration leanbp cannot stream exactly."""
+
+    def training_randomness(self) -> list[str]:
+        """Random ops in training (dropout, router jitter) that a recomputed chunk would redraw
+        differently: a streamed training step refuses while any is on."""
+        dropout = float(getattr(self.config, "attention_dropout", 0.0) or 0.0)
+        return [f"attention_dropout={dropout}"] if dropout > 0 else []
+
+    # -- per-layer attention ----------------------------------------------------------------------
+    def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> list[tuple]:
+        """(cos, sin) for every layer, each (1 or B, T, R); layers that share them share the tensors
+        (computed once per forward)."""
+        cos_sin = self.backbone().rotary_emb(hidden, position_ids)
+        return [cos_sin] * len(self.layers())
+
+    def sliding_window(self, layer_idx: int) -> int | None:
+        return getattr(self.layers()[layer_idx].self_attn, "sliding_window", None)
+
+    def attention_softcap(self, layer_idx: int) -> float | None:
+        """Attention logit soft-capping of a layer (scores -> cap * tanh(scores / cap))."""
+        return None
+
+    # -- the split of one decoder layer -----------------------------------------------------------
+    @abstractmethod
+    def key_value(self, layer: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """K and V of the given rows: hidden (B, n, H) -> (B, Hkv, n, D) each."""
+
+    @abstractmethod
+    def chunk_forward(self, layer: nn.Module, hidden: torch.Tensor, prefix_key, prefix_value, cos, sin,
+                      masks: ChunkMasks, sink: PrefixGradSink | None = None, softcap: float | None = None
+                      ) -> LayerChunk:
+        """The layer for a chunk of rows ``hidden`` (B, c, H) attending to the visible rows before it
+        (``prefix_key/value`` (B, Hkv, p, D), None when there are none); ``sink`` collects their K/V
+        gradients in backward (see ``chunk_attention``)."""
+
+    # -- the head -----------------------------------------------------------------------------------
+    def logit_transform(self) -> LogitTransform:
+        """What the family applies to ``lm_head``'s output before the softmax (final soft-capping)."""
+        return LogitTransform()
+
+    # -- mixture of experts --------------------------------------------------------------------------
+    def router(self, layer: nn.Module) -> Router | None:
+        """The router of a mixture-of-experts layer, None for a dense layer."""
+        return None
+
+    def router_aux_loss_coef(self) -> float:
+        return float(getattr(self.config, "router_aux_loss_coef", 0.0) or 0.0)
+
+    # -- approx (MS-BP folds, 2-bit activations) -----------------------------------------------------
+    def norm_sites(self, notes: list[str]) -> list[NormSite]:
+        """Norms MS-BP may replace, with the linears their affine folds into; a family explains in
+        ``notes`` every norm it keeps exact."""
+        return []
+
+    def activation_owners(self) -> list[tuple[nn.Module, str]]:
+        """(module, attribute) of every MLP activation a 2-bit approximation may replace."""
+        return []
+
+    # -- float64 verification ---------------------------------------------------------------------
+    @classmethod
+    def full_precision_norm(cls, module: nn.Module):
+        """A forward for ``module`` that keeps float64 in float64 (same function), or None when the
+        module is not one of the family's norms that downcasts."""
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "weight"):
+            return rms_norm_full_precision
+        return None
+
+
+class DecoderAdapter(FamilyAdapter):
+    """The common decoder layer, with hooks where families differ:
+
+        x = attention_input(h)                                   (a pre-norm, or the identity)
+        q, k, v = projections of x (per-head q/k norms, RoPE)
+        h = attention_residual(h, o_proj(attention(q, k, v)))    (+ a post-norm in some families)
+        h = mlp_residual(h)                                      (pre-norm -> MLP -> post-norm?)
+    """
+
+    #: per-head RMSNorm on q and k after the projection (Qwen3, Gemma3)
+    head_norms: ClassVar[bool] = False
+
+    def attention_input(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        return layer.input_layernorm(hidden)
+
+    def project_query(self, attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x (B, n, H) -> query before RoPE, (B, n, Hq, D)."""
+        query = attn.q_proj(x).view(*x.shape[:-1], -1, attn.head_dim)
+        return attn.q_norm(query) if self.head_norms else query
+
+    def project_key_value(self, attn: nn.Module, x: torch.Tensor):
+        """x (B, n, H) -> key before RoPE and value, (B, n, Hkv, D) each."""
+        shape = (*x.shape[:-1], -1, attn.head_dim)
+        key = attn.k_proj(x).view(shape)
+        if self.head_norms:
+            key = attn.k_norm(key)
+        return key, attn.v_proj(x).view(shape)
+
+    def attention_residual(self, layer: nn.Module, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        return hidden + attn_out
+
+    def mlp_residual(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def _key_value_from_input(self, attn: nn.Module, x: torch.Tensor, cos, sin):
+        key, value = self.project_key_value(attn, x)
+        return apply_rope(key.transpose(1, 2), cos, sin), value.transpose(1, 2)  # (B, Hkv, n, D)
+
+    def key_value(self, layer, hidden, cos, sin):
+        return self._key_value_from_input(layer.self_attn, self.attention_input(layer, hidden), cos, sin)
+
+    def chunk_forward(self, layer, hidden, prefix_key, prefix_value, cos, sin, masks, sink=None, softcap=None):
+        # The chunk's own K/V come from the same attention input as its queries, so a backward
+        # through this call covers the K/V projections of these rows too.
+        attn = layer.self_attn
+        x = self.attention_input(layer, hidden)
+        query = apply_rope(self.project_query(attn, x).transpose(1, 2), cos, sin)  # (B, Hq, c, D)
+        key_c, value_c = self._key_value_from_input(attn, x, cos, sin)  # (B, Hkv, c, D)
+        out = chunk_attention(query, prefix_key, prefix_value, key_c, value_c, masks, attn.scaling, sink,
+                              softcap=softcap)
+        out = out.transpose(1, 2).reshape(*hidden.shape[:-1], -1)  # (B, c, Hq*D)
+        hidden = self.attention_residual(layer, hidden, attn.o_proj(out))
+        router = self.router(layer)
+        if router is None:
+            return LayerChunk(self.mlp_residual(layer, hidden), key_c, value_c)
+        with _Recorded(router.module) as recorded:  # the router's logits, as transformers records them
+            hidden = self.mlp_residual(layer, hidden)
+        return LayerChunk(hidden, key_c, value_c, recorded.output)
+
+
+class _Recorded:
+    """Records ``module``'s output[0] during a block (a forward hook, removed on exit)."""
+
+    def __init__(self, module: nn.Module):
+        self.module, self.output, self._handle = module, None, None
+
+    def _hook(self, module, args, output):
+        self.output = output[0] if isinstance(output, (tuple, list)) else output
+
+    def __enter__(self):
+        self._handle = self.module.register_forward_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc):
+        self._handle.remove()
