@@ -79,6 +79,14 @@ def test_bench_writes_table_csv_and_plot(tmp_path, capsys):
     assert all("error" not in r and r["activations"] > 0 for r in rows)
 
 
+@pytest.mark.parametrize("model", ["gemma3", "qwen3_moe"])
+def test_bench_runs_the_other_family_shapes(tmp_path, capsys, model):
+    assert main(["bench", "--model", model, "--seq-lens", "48", "--methods", "leanbp", "--timed-steps", "1",
+                 "--out", str(tmp_path), "--chunk-size", "16"]) == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [(r["model"], r["method"]) for r in rows] == [(model, "leanbp")] and rows[0]["activations"] > 0
+
+
 @pytest.mark.parametrize("objective", ["sft", "dpo", "grpo"])
 def test_train_objectives_through_trl_on_built_in_data(tmp_path, objective):
     pytest.importorskip("trl")

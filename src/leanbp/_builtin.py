@@ -45,6 +45,29 @@ TRAIN_QWEN3 = dict(
 )
 
 
+def bench_config(family: str, max_positions: int):
+    """The bench model of ``leanbp bench --model``: the Qwen3 bench shape, or the same sizes as a
+    Gemma3 (text) model (3 sliding-window layers of 1024, then a global one, as Gemma3's 5:1
+    pattern) or a Qwen3-MoE model (8 experts of a third of the dense width, 2 per token, with the
+    load-balancing loss on)."""
+    if family == "qwen3":
+        return qwen3_config(BENCH_QWEN3, max_positions=max_positions)
+    common = dict(BENCH_QWEN3, max_position_embeddings=max_positions, tie_word_embeddings=False,
+                  attn_implementation="sdpa")
+    if family == "gemma3":
+        layers = ["sliding_attention"] * (common["num_hidden_layers"] - 1) + ["full_attention"]
+        return transformers.Gemma3TextConfig(**common, query_pre_attn_scalar=common["head_dim"], sliding_window=1024,
+                                             layer_types=layers)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=2,
+                                           moe_intermediate_size=common["intermediate_size"] // 3,
+                                           output_router_logits=True, rope_theta=1_000_000.0)
+    raise ValueError(f"unknown bench model {family!r}; choose from {BENCH_MODELS}")
+
+
+BENCH_MODELS = ("qwen3", "gemma3", "qwen3_moe")
+
+
 def qwen3_config(shape: dict, max_positions: int = 65536, **overrides) -> transformers.Qwen3Config:
     kwargs = dict(shape, max_position_embeddings=max_positions, tie_word_embeddings=False,
                   attn_implementation="sdpa", rope_theta=1_000_000.0)

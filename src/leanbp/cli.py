@@ -7,6 +7,7 @@ import os
 import sys
 import warnings
 
+from ._builtin import BENCH_MODELS
 from ._train import NonFiniteError
 from .engine import StreamConfig
 
@@ -76,6 +77,9 @@ def _add_bench(sub):
                                       "approx: 512,1024,2048; trl: per objective, e.g. sft=4096:16384,dpo=8192)")
     p.add_argument("--timed-steps", type=int, default=3, help="stream and trl suites: steps timed per case (median)")
     p.add_argument("--methods", default="plain,ckpt,leanbp", help="stream suite: comma-separated plain, ckpt, leanbp")
+    p.add_argument("--model", default="qwen3", choices=BENCH_MODELS,
+                   help="stream suite: the bench shape as a Qwen3 (default), Gemma3 (3 sliding-window layers of "
+                        "1024 + 1 global) or Qwen3-MoE (8 experts, top 2, load-balancing loss on) model")
     p.add_argument("--batch", type=int, help="batch size (stream: 1, approx: 4)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "autocast"],
                    help="stream suite: fp32 (default) or bf16; approx suite: autocast (default: fp32 parameters, "
@@ -172,6 +176,7 @@ def _bench(args) -> int:
         print(f"\nwrote {args.out}/bench_approx.csv, bench_approx.json")
         return 0
     case = BenchCase(**({"seq_lens": seq_lens} if seq_lens is not None else {}), methods=args.methods.split(","),
+                     model=args.model,
                      batch=args.batch if args.batch is not None else 1, dtype=args.dtype or "fp32", device=args.device,
                      chunk_size=args.chunk_size, head_chunk_size=args.head_chunk_size, timed_steps=args.timed_steps)
     rows = run_bench(case, args.out)

@@ -29,7 +29,7 @@ def build_case_model(spec: dict):
 
     from .. import approx, stream
     from ..engine import StreamConfig
-    from .._builtin import BENCH_LLAMA, BENCH_QWEN3, build_model, qwen3_config
+    from .._builtin import BENCH_LLAMA, bench_config, build_model
 
     method, variant = spec["method"], spec.get("approx", "none")
     if method not in METHODS:
@@ -42,7 +42,7 @@ def build_case_model(spec: dict):
         config = transformers.LlamaConfig(**BENCH_LLAMA, max_position_embeddings=max(T, 2048),
                                           attn_implementation="sdpa")
     else:
-        config = qwen3_config(BENCH_QWEN3, max_positions=max(T, 2048))
+        config = bench_config(spec.get("model", "qwen3"), max_positions=max(T, 2048))
     model = build_model(config, dtype=dtype).to(spec.get("device", "cpu")).train()
     if method == "ckpt":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

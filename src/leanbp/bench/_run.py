@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from .._builtin import BENCH_MODELS
 from ..engine import StreamConfig
 
 MiB = 2**20
@@ -39,6 +40,7 @@ def _check_positive(case, *names: str) -> None:
 class BenchCase:
     seq_lens: list[int] = field(default_factory=lambda: [2048, 4096, 8192, 16384])
     methods: list[str] = field(default_factory=lambda: ["plain", "ckpt", "leanbp"])
+    model: str = "qwen3"  # the bench shape as qwen3, gemma3 or qwen3_moe (_builtin.bench_config)
     batch: int = 1
     dtype: str = "fp32"
     device: str = "cpu"
@@ -50,6 +52,7 @@ class BenchCase:
     def __post_init__(self):
         _check_list("seq_lens", self.seq_lens)
         _check_list("methods", self.methods, ("plain", "ckpt", "leanbp", "head"))
+        _check_list("model", [self.model], BENCH_MODELS)
         _check_positive(self, "batch", "chunk_size", "head_chunk_size", "timed_steps")
 
 
@@ -105,7 +108,7 @@ def run_bench(case: BenchCase, out_dir: str | Path, progress: bool = True) -> li
     # the order of the methods alternates from one T to the next: none always runs first (or after
     # the heaviest case), which moved single timings by +-5% on a shared machine
     specs = [
-        {"method": m, "seq_len": T, "batch": case.batch, "dtype": case.dtype, "device": case.device,
+        {"method": m, "seq_len": T, "model": case.model, "batch": case.batch, "dtype": case.dtype, "device": case.device,
          "chunk_size": case.chunk_size, "head_chunk_size": case.head_chunk_size, "timed_steps": case.timed_steps}
         for i, T in enumerate(case.seq_lens) for m in (case.methods if i % 2 == 0 else case.methods[::-1])
     ]
