@@ -1,7 +1,7 @@
 """The conformance suite every registered family adapter runs (tiny configs in conftest.py).
 
-Adding a family: write its adapter, register it, add its tiny config to ``conftest._FAMILY_CONFIGS``;
-this file then checks it like every other family: float64 gradients of every parameter against
+Adding a family: write its adapter (with its ``tiny_config``) and register it; this file then
+checks it like every other family: float64 gradients of every parameter against
 plain autograd (padding left and right, a prompt boundary inside a chunk, a chunk size that does
 not divide T, tied and untied heads, GQA), that the layers really streamed, low-precision error no
 worse than plain autograd's, the mixture-of-experts load-balancing loss, and the approx patcher.
@@ -26,15 +26,18 @@ from leanbp.models import adapter_for, supported_model_types
 MOE = ("qwen3_moe", "mixtral")
 
 
-def test_every_registered_family_has_a_tiny_config():
-    assert set(supported_model_types()) == set(ALL_FAMILIES)
+def test_every_registered_family_builds_its_tiny_model():
+    assert len(ALL_FAMILIES) >= 10
+    for family in supported_model_types():
+        model = tiny_model(family, window=16)
+        assert model.config.model_type == family and adapter_for(model).model is model
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("padding", ["left", "right"])
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_family_streams_exactly_in_float64(family, padding, tied):
-    model = tiny_model(family, tie_word_embeddings=tied)
+    model = tiny_model(family, window=16, tie_word_embeddings=tied)
     with ChunkCounter() as chunks:
         loss_err, _, errs = compare_step(model, dict(chunk_size=7, head_chunk_size=9), make_batch(padding=padding))
     layers = model.config.num_hidden_layers
@@ -48,7 +51,7 @@ def test_family_streams_exactly_in_float64(family, padding, tied):
 def test_family_streams_packed_rows_and_inputs_embeds(family):
     """Packed rows (position_ids restarting, no mask; transformers packs only without a cache), and
     the gradient of inputs_embeds."""
-    model = tiny_model(family)
+    model = tiny_model(family, window=16)
     ids, _, labels = make_batch(B=2, padding="none")
     position_ids = torch.cat([torch.arange(20), torch.arange(25)]).expand(2, -1)
     reference = copy.deepcopy(model)
@@ -64,7 +67,7 @@ def test_family_streams_packed_rows_and_inputs_embeds(family):
 
 
 def _errors_vs_float64(family, dtype, autocast):
-    base = tiny_model(family)
+    base = tiny_model(family, window=16)
     ids, mask, labels = make_batch(padding="left")
     reference = copy.deepcopy(base)
     with full_precision_norms(reference):
@@ -81,7 +84,8 @@ def _errors_vs_float64(family, dtype, autocast):
     return results
 
 
-@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+                         ids=["fp32", "bf16", "autocast"])
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_family_low_precision_no_worse_than_plain_autograd(family, dtype, autocast):
     errs = _errors_vs_float64(family, dtype, autocast)
@@ -105,6 +109,11 @@ def test_load_balancing_loss_and_its_gradient_are_exact(family):
         aux = model(input_ids=ids, attention_mask=mask, labels=labels).aux_loss
         aux.backward()
     assert abs(aux.item() - ref_aux.item()) <= 1e-12 * abs(ref_aux.item())
+    # the reference formula is transformers' own (which sums in float32)
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    theirs = load_balancing_loss_func(out.router_logits, router.num_experts, router.top_k, mask)
+    assert abs(theirs.item() - ref_aux.item()) <= 1e-6 * abs(ref_aux.item())
     for (name, p), q in zip(reference.named_parameters(), model.parameters()):
         if p.grad is None:  # not reached by the aux loss (experts): the streamed layer returns zeros
             assert q.grad is None or not q.grad.any(), name
@@ -146,8 +155,9 @@ def test_bidirectional_gemma3_is_refused():
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_approx_through_the_family_adapter(family):
-    """MS-norm folds where the family allows them (``notes`` says where not): the function is unchanged
-    and streaming the approximated model is exact against the same model under plain autograd."""
+    """MS-norm folds where the family allows them (``notes`` says where not): the function is unchanged;
+    with the 2-bit activations too, streaming the approximated model is exact against the same
+    approximated model under plain autograd."""
     model = tiny_model(family)
     ids, mask, labels = make_batch()
     with full_precision_norms(model):  # (transformers' norms round to float32; MS norms do not)
@@ -159,6 +169,13 @@ def test_approx_through_the_family_adapter(family):
     torch.testing.assert_close(after, before, rtol=1e-10, atol=1e-10)
     folded = len(model._leanbp_approx.folds)
     assert folded or notes, "neither a fold nor a reason for keeping the norms exact"
+    # then with the 2-bit activations where the family's activation has one (Gemma's tanh-GELU: refused)
+    leanbp.unapprox(model)
+    activations = adapter_for(model).activation_name() in ("silu", "gelu")
+    if not activations:
+        with pytest.raises(NotImplementedError, match="no 2-bit approximation"):
+            leanbp.approx(copy.deepcopy(model))
+    leanbp.approx(model, activations=activations)
     reference = copy.deepcopy(model)
     with full_precision_norms(reference, model):
         reference_causal_lm_loss(reference, labels, input_ids=ids, attention_mask=mask).backward()
@@ -200,3 +217,43 @@ def test_any_other_causal_lm_gets_the_chunked_head(build):
     assert max(errs.values()) <= 1e-12, {k: v for k, v in errs.items() if v > 1e-12}
     leanbp.unstream(model)
     assert not leanbp.is_streamed(model)
+
+
+def test_phi3_with_lora_on_its_fused_projections():
+    """PEFT wraps qkv_proj / gate_up_proj: the fused projection runs whole (once per chunk) and the
+    K/V of the prefix rows come from the wrapper's output."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_model("phi3", window=16), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["qkv_proj", "gate_up_proj"], init_lora_weights=False))
+    ids, mask, labels = make_batch()
+    reference = copy.deepcopy(model)
+    with full_precision_norms(reference, model):
+        reference_causal_lm_loss(reference, labels, input_ids=ids, attention_mask=mask).backward()
+        leanbp.stream(model, chunk_size=7)
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    errs = relative_errors(reference, model)
+    assert len(errs) == 8 and max(errs.values()) <= 1e-12, errs  # A and B of 2 wrapped linears x 2 layers
+
+
+def test_moe_with_a_frozen_router_and_trainable_experts():
+    """The load-balancing loss's statistics then need no gradient in the first layer: backward skips them."""
+    model = tiny_model("qwen3_moe")
+    for name, p in model.named_parameters():
+        p.requires_grad_(".experts." in name)
+    ids, mask, labels = make_batch()
+    leanbp.stream(model, chunk_size=7)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_head_only_model_asking_for_router_logits_runs_its_own_forward():
+    """A model leanbp streams only the head of cannot add a load-balancing loss it knows nothing
+    about: the call runs the model's own forward (with a warning), so nothing is silently dropped."""
+    model = tiny_model("qwen3_moe")
+    leanbp.stream(model, layers=False)
+    ids, mask, labels = make_batch()
+    with pytest.warns(leanbp.StreamWarning, match="output_router_logits"):
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert out.aux_loss is not None and out.logits is not None

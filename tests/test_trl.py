@@ -40,6 +40,28 @@ def tiny_model(seed=0):
     return model
 
 
+def tiny_moe_model(seed=0):
+    """Qwen3-MoE (4 experts, top 2, the second layer dense) with the load-balancing loss on."""
+    from leanbp._verify_utils import randomize_for_checks
+    from leanbp.models import tiny_config
+
+    config = tiny_config("qwen3_moe", vocab_size=256, max_position_embeddings=512, pad_token_id=0, eos_token_id=4,
+                         bos_token_id=None)
+    torch.manual_seed(seed)
+    return randomize_for_checks(transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64))
+
+
+def _exact_load_balancing_loss(gate_logits, num_experts, top_k, attention_mask=None):
+    """transformers' load_balancing_loss_func (which TRL's fused head calls) in float64: it sums in
+    float32, ~1e-7, which a float64 comparison would measure instead of leanbp."""
+    from types import SimpleNamespace
+
+    from leanbp._verify_utils import reference_load_balancing_loss
+
+    return reference_load_balancing_loss(gate_logits, SimpleNamespace(num_experts=num_experts, top_k=top_k),
+                                         attention_mask)
+
+
 def _lora_config():
     peft = pytest.importorskip("peft")
     return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
@@ -73,9 +95,9 @@ class _Counter:
 
 
 def _train(trainer_cls, config_cls, dataset, tmp_path, leanbp_order=None, ref=False, peft=False, reward_funcs=None,
-           **config):
+           build=tiny_model, **config):
     """Two optimizer steps; returns (gradients per step, final parameters)."""
-    model = tiny_model()
+    model = build()
     if config.get("beta", 0) > 0 and not peft:
         # GRPOTrainer loads its reference model from the policy's config._name_or_path
         model.save_pretrained(tmp_path / "init")
@@ -164,6 +186,17 @@ def test_sft_packed_padding_free_matches_trl(monkeypatch, tmp_path):
     restarting at each document; each document attends only to itself."""
     _compare(monkeypatch, tmp_path, trl.SFTTrainer, trl.SFTConfig, _completion_data(), per_device_train_batch_size=4,
              packing=True, max_length=64)
+
+
+def test_sft_moe_with_load_balancing_loss_matches_trl(monkeypatch, tmp_path):
+    """A mixture-of-experts model with output_router_logits: TRL's fused head adds the load-balancing
+    loss; leanbp's answers the same call with it (from router statistics gathered while streaming)."""
+    import transformers.models.mixtral.modeling_mixtral as mixtral
+
+    monkeypatch.setattr(mixtral, "load_balancing_loss_func", _exact_load_balancing_loss)
+    counter = _compare(monkeypatch, tmp_path, trl.SFTTrainer, trl.SFTConfig, _completion_data(),
+                       build=tiny_moe_model, per_device_train_batch_size=3)
+    assert counter.heads == 2
 
 
 @pytest.mark.parametrize("order", ["before", "after"])

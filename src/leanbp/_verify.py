@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._verify_utils import relative_errors, streamed_vs_plain
+from ._verify_utils import randomize_for_checks, relative_errors, streamed_vs_plain
+from .models import supported_model_types
 
 _GROUPS = (
     ("embedding", r"embed_tokens"),
@@ -71,31 +72,20 @@ class ExactCase:
     chunk_size: int
     head_chunk_size: int
     tied: bool
-    window: int | None  # sliding window (mistral: every layer; qwen2/qwen3: the second layer)
+    window: int | None  # sliding window of the family's sliding layers (FamilyAdapter.tiny_config)
     seed: int = 0
-
-
-_CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 
 
 def case_model(case: ExactCase):
     import transformers
 
-    kwargs = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=case.tied,
-                  attn_implementation="sdpa")
-    if case.family == "mistral":
-        kwargs["sliding_window"] = case.window
-    elif case.family in ("qwen2", "qwen3") and case.window is not None:
-        kwargs.update(use_sliding_window=True, sliding_window=case.window, max_window_layers=1)
-    config = getattr(transformers, _CONFIGS[case.family])(**kwargs)
+    from .models import tiny_config  # noqa: I001 (lazy like transformers)
+
+    config = tiny_config(case.family, case.window, vocab_size=61, hidden_size=32, intermediate_size=48, head_dim=8,
+                         max_position_embeddings=256, tie_word_embeddings=case.tied)
     torch.manual_seed(case.seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64)
-    with torch.no_grad():  # random norms and biases, so that a wrong term shows
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.normal_(1.0 if "norm" in name else 0.0, 0.3)
-    return model.train()
+    return randomize_for_checks(model).train()
 
 
 def case_batch(case: ExactCase):
@@ -138,7 +128,7 @@ def exact_cases():
 
     @st.composite
     def draw(draw):
-        family = draw(st.sampled_from(sorted(_CONFIGS)))
+        family = draw(st.sampled_from(supported_model_types()))
         B = draw(st.integers(1, 3))
         T = draw(st.integers(3, 40))
         padding = draw(st.sampled_from(["left", "right", "none", "packed"]))
@@ -155,7 +145,7 @@ def exact_cases():
         starts = list(pads) if padding == "left" else [0] * B
         if not any(max(prompt, s) + 1 < s + n for s, n in zip(starts, lengths)):
             prompt = 0
-        window = draw(st.one_of(st.none(), st.integers(1, T + 2))) if family != "llama" else None
+        window = draw(st.one_of(st.none(), st.integers(1, T + 2)))  # (families without sliding layers ignore it)
         return ExactCase(family=family, batch=B, seq_len=T, padding=padding, pads=pads, prompt=prompt,
                          chunk_size=draw(st.integers(1, T + 3)), head_chunk_size=draw(st.integers(1, 2 * T)),
                          tied=draw(st.booleans()), window=window, seed=draw(st.integers(0, 2**16)))

@@ -47,21 +47,23 @@ def _exact_eager_attention(module, query, key, value, attention_mask, scaling=No
     scores = query @ key.transpose(-1, -2) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    if attention_mask is not None:
-        scores = scores.masked_fill(~attention_mask[..., : key.shape[-2]], float("-inf"))
+    if attention_mask is None:  # transformers skips the mask when plain causal attention is all it says
+        q = torch.arange(key.shape[-2] - query.shape[-2], key.shape[-2])[:, None]  # (T, 1), bottom-right
+        k = torch.arange(key.shape[-2])[None]  # (1, S)
+        window = kwargs.get("sliding_window")  # (skipped only where the window does not bind; kept exact)
+        attention_mask = (k <= q) & ((k > q - window) if window else True)
+    scores = scores.masked_fill(~attention_mask[..., : key.shape[-2]].to(scores.device), float("-inf"))
     probs = torch.softmax(scores, -1).nan_to_num(0.0)  # a row that sees nothing: 0, as SDPA
     return (probs @ value).transpose(1, 2).contiguous(), probs
 
 
 def _register_exact_eager() -> None:
-    from functools import partial
-
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(_EXACT_EAGER, _exact_eager_attention)
-    # a boolean mask always (never "None, use is_causal"): the function above applies it itself
-    AttentionMaskInterface.register(_EXACT_EAGER, partial(sdpa_mask, allow_is_causal_skip=False))
+    # boolean masks (True = may attend), as SDPA takes them; None when transformers skips the mask
+    AttentionMaskInterface.register(_EXACT_EAGER, sdpa_mask)
 
 
 @contextlib.contextmanager
@@ -83,6 +85,21 @@ def full_precision_norms(*models: nn.Module):
             model.config._attn_implementation = "eager"
 
 
+def randomize_for_checks(model: nn.Module) -> nn.Module:
+    """Random norm weights, biases and routers for a float64 check, so that a wrong fold or a skipped
+    term shows up (transformers starts norms at 1, biases at 0 and routers at 0: every expert tied)."""
+    from .models import adapter_class
+
+    offset = adapter_class(model).norm_weight_offset  # (norms that scale by 1 + weight: centred at 0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(0.0 if "bias" in name else 1.0 - offset, 0.3)
+            elif ".gate." in name:
+                p.normal_(0.0, 0.3)
+    return model
+
+
 def reference_causal_lm_loss(model: nn.Module, labels: torch.Tensor, num_items_in_batch=None, **inputs):
     """transformers' causal-LM loss from full logits (plus the load-balancing loss of a
     mixture-of-experts model that asks for it), without its float32 casts for float64 models."""
@@ -101,11 +118,12 @@ def reference_causal_lm_loss(model: nn.Module, labels: torch.Tensor, num_items_i
 
 def _routers(model: nn.Module) -> list:
     """The routers of a mixture-of-experts model whose config asks for the load-balancing loss."""
-    from .models import adapter_class
+    from .models import adapter_for, supported_model_types
 
-    if not getattr(getattr(model, "config", None), "output_router_logits", False):
+    config = getattr(model, "config", None)
+    if not getattr(config, "output_router_logits", False) or config.model_type not in supported_model_types():
         return []
-    adapter = adapter_class(model)(model)
+    adapter = adapter_for(model)
     return [r for r in map(adapter.router, adapter.layers()) if r is not None]
 
 
@@ -116,9 +134,9 @@ def reference_load_balancing_loss(router_logits, router, attention_mask=None) ->
     probs = torch.softmax(logits, -1)
     chosen = torch.topk(probs, router.top_k, -1).indices  # (N, k)
     routed = F.one_hot(chosen, router.num_experts).sum(1).to(probs.dtype)  # (N, E)
-    weights = torch.ones(len(logits), 1, dtype=probs.dtype)
+    weights = torch.ones(len(logits), 1, dtype=probs.dtype, device=probs.device)
     if attention_mask is not None:
-        weights = attention_mask.reshape(-1, 1).repeat(len(router_logits), 1).to(probs.dtype)
+        weights = attention_mask.reshape(-1, 1).repeat(len(router_logits), 1).to(probs)
     rows = weights.sum()
     fraction = (routed * weights).sum(0) / rows
     return (fraction * ((probs * weights).sum(0) / rows)).sum() * router.num_experts

@@ -1,26 +1,28 @@
 """``leanbp.approx(model)``: ReSiLU2/ReGELU2 activations and memory-sharing norms, patched in place.
 
-Llama-family decoder (Llama, Mistral, Qwen2, Qwen3): each RMSNorm whose output feeds linear layers
-becomes an MS-RMSNorm and its gamma is folded into those layers' input columns:
+Which norms feed which linear layers, and which modules own the MLP activation, is the family's
+knowledge (``FamilyAdapter.norm_sites`` / ``activation_owners`` in ``leanbp.models``). A pre-norm
+whose output feeds only linear layers becomes an MS-RMSNorm / MS-LayerNorm and its gamma is folded
+into those layers' input columns, e.g. for Llama:
 
     input_layernorm          -> q_proj, k_proj, v_proj
     post_attention_layernorm -> gate_proj, up_proj
     model.norm (final)       -> lm_head (only when untied: a tied head shares its weight with the
                                 embedding, which must not be scaled; the final norm then stays exact)
 
-Qwen3's per-head q/k norms feed RoPE, not a linear layer, so there is nowhere to fold them: they
-stay exact RMSNorms. With PEFT LoRA on a consuming linear, gamma is folded into the frozen base
-weight and into every lora_A, so the function is unchanged and the LoRA input is the shared norm
-output itself; apply ``approx`` after ``peft.get_peft_model`` so that PEFT's input cast (which
-copies the input under autocast) can be turned off for those layers.
+A norm with nowhere to fold (per-head q/k norms feed RoPE; post-sublayer norms feed the residual
+sum; a ``1 + weight`` scale) stays exact, and the adapter says why in ``notes``. With PEFT LoRA on
+a consuming linear, gamma is folded into the frozen base weight and into every lora_A, so the
+function is unchanged and the LoRA input is the shared norm output itself; apply ``approx`` after
+``peft.get_peft_model`` so that PEFT's input cast (which copies the input under autocast) can be
+turned off for those layers.
 
-ViT (pre-LayerNorm): layernorm_before -> q/k/v_proj, layernorm_after -> mlp.fc1, final layernorm
--> classifier; gamma goes into the weights and beta into the biases (b' = b + W beta).
-BERT / RoBERTa (post-LayerNorm): a norm's output feeds linears *and* the next residual sum, so
-the norm emits the plain normalized rows (saved once, shared with the linears) and the residual
-branch multiplies gamma and adds beta back; the embedding LayerNorm (followed by dropout) and the
-last layer's (read by task heads) stay exact. A LayerNorm beta cannot go through a LoRA adapter
-(lora_A has no bias): such norms stay exact, and ``notes`` says so.
+Pre-LayerNorm encoders (ViT): gamma goes into the weights and beta into the biases
+(b' = b + W beta). Post-LayerNorm encoders (BERT / RoBERTa): a norm's output feeds linears *and*
+the next residual sum, so the norm emits the plain normalized rows (saved once, shared with the
+linears) and the residual branch multiplies gamma and adds beta back (``NormSite.residual``). A
+LayerNorm beta cannot go through a LoRA adapter (lora_A has no bias): such norms stay exact, and
+``notes`` says so.
 
 In full fine-tuning a folded gamma/beta is no longer a parameter of its own: it is absorbed into
 the following weights (and, post-LN, kept fixed on the residual branch).
@@ -178,8 +180,8 @@ def approx(model: nn.Module, activations: bool = True, norms: bool = True) -> nn
     and/or MS-BP (``norms``: memory-sharing norms with folded affines, exact gradients of the
     folded parameterization). Reversible with :func:`unapprox`. Composes with ``leanbp.stream``.
 
-    Families: Llama, Mistral, Qwen2, Qwen3 (pre-RMSNorm), ViT (pre-LayerNorm), BERT and RoBERTa
-    (post-LayerNorm: the residual branch gets gamma and beta back)."""
+    Families: every family leanbp streams (``leanbp.models.supported_model_types()``), ViT, BERT and
+    RoBERTa."""
     if is_approximated(model):
         raise ValueError("model is already approximated; call leanbp.unapprox(model) first")
     recipe = approx_recipe_for(model)  # the family's adapter: fold sites and activation owners
@@ -187,10 +189,12 @@ def approx(model: nn.Module, activations: bool = True, norms: bool = True) -> nn
     names = {m: n for n, m in model.named_modules()}
     sites, act_owners = recipe.norm_sites(state.notes), recipe.activation_owners()
     if activations:
-        act_name = getattr(model.config, "hidden_act", None)
+        act_name = recipe.activation_name()
         replacement = _ACTIVATIONS.get(act_name)
         if replacement is None:
-            raise NotImplementedError(f"hidden_act={act_name!r} has no 2-bit approximation (silu, gelu)")
+            raise NotImplementedError(
+                f"the MLP activation {act_name!r} has no 2-bit approximation (silu, gelu); "
+                "leanbp.approx(model, activations=False) still gives the memory-sharing norms")
         for owner, attr in act_owners:
             state.acts.append((owner, attr, getattr(owner, attr)))
             setattr(owner, attr, replacement())

@@ -37,7 +37,7 @@ class LayerRun:
     layer: nn.Module
     window: int | None
     softcap: float | None  # attention logit soft-capping
-    cos: torch.Tensor  # (1 or B, T, D)
+    cos: torch.Tensor  # (1 or B, T, R): R rotary dims (R < head dim with partial rotary)
     sin: torch.Tensor
     key_keep: torch.Tensor | None  # (B, T) bool, None when nothing is padded
     documents: Documents | None  # packed rows, None when every row is one sequence
@@ -63,7 +63,7 @@ class LayerRun:
                            self.documents)
         return self.adapter.chunk_forward(
             self.layer, hidden_c, prefix_key, prefix_value, self.cos[:, start:end], self.sin[:, start:end], masks,
-            sink, self.softcap,
+            sink, self.softcap, self.router if self.router_stats is not None else None,
         )
 
 
@@ -129,10 +129,11 @@ class StreamedLayerFunction(torch.autograd.Function):
                 prefix_value = value[:, :, kb:s].detach().requires_grad_()
             with torch.enable_grad(), run.autocast():
                 out_c, key_c, value_c, logits = run.chunk_out(hidden_c, prefix_key, prefix_value, s, e, sink)
+                prob_sum_c = None
                 if grad_prob_sum is not None:  # the load-balancing loss's share of this chunk
                     prob_sum_c = run.router_stats.chunk_prob_sum(logits, s, e)
             outputs, grad_outputs = [out_c], [grad_out[:, s:e]]
-            if grad_prob_sum is not None:
+            if prob_sum_c is not None and prob_sum_c.requires_grad:  # (not with a frozen router and input)
                 outputs.append(prob_sum_c)
                 grad_outputs.append(grad_prob_sum)
             if sink is not None and sink.dkey is not None:  # what later chunks sent to this chunk's own rows
@@ -151,7 +152,7 @@ class StreamedLayerFunction(torch.autograd.Function):
                     sink.add(kb, s, dprefix_key, dprefix_value)
                 del dprefix_key, dprefix_value
             grads.add(g)
-            del out_c, key_c, value_c, logits, g
+            del out_c, key_c, value_c, logits, prob_sum_c, g
 
         it = iter(grads.result())
         return (dhidden, None, *[next(it) if need else None for need in ctx.needs_input_grad[2:]])

@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -32,6 +32,8 @@ from ._decoder import check_attention_mask, decoder_layers, rowwise, trainable
 from ._grads import AutocastState
 from ._head import HeadRun, IGNORE_INDEX, LogitTransform, cross_entropy, shift_labels, token_stats
 
+# (leanbp computes chunk attention itself; these name the same function. The last is the float64
+# reference of leanbp's own checks, _verify_utils.full_precision_norms)
 _SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "leanbp_exact_eager")
 # arguments that do not change what a streamed call computes: varlen metadata of packed rows (the
 # documents are read from position_ids, as transformers' SDPA path does) and output formatting
@@ -130,7 +132,8 @@ def stream(model: nn.Module, chunk_size: int = 1024, head_chunk_size: int = 256,
     if layers and attn_impl not in _SUPPORTED_ATTENTION:
         raise NotImplementedError(
             f"attn_implementation={attn_impl!r} is not supported by leanbp.stream (it computes chunk "
-            f"attention itself with SDPA); load the model with attn_implementation='sdpa'."
+            f"attention itself); load the model with attn_implementation='sdpa' (or 'eager' where the family "
+            "has no SDPA path, e.g. soft-capped attention)."
         )
     if layers:  # (before anything is installed: a refusal leaves the model as it was)
         prepare_for_engines(adapter.layers(), [adapter.final_norm(), adapter.lm_head()])
@@ -212,7 +215,7 @@ def _builds_graph(module: nn.Module, arguments: dict) -> bool:
 
 def _check_training_call(state: _StreamState, module: nn.Module, used: list[nn.Module]) -> None:
     """A streamed call that builds a graph: every trainable parameter of ``module`` must be in the
-    modules the call uses, and no layer may draw attention dropout."""
+    modules the call uses, and nothing may draw random numbers in training (dropout, router jitter)."""
     adapter = state.adapter
     seen = {id(p) for m in used for p in m.parameters()}
     missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in seen]
@@ -288,20 +291,36 @@ def _lm_forward(lm: nn.Module, plain, *args, **kwargs):
         if spec is None:  # nobody below handles fused calls the way TRL does: let them answer
             return plain(*args, **kwargs)
         arguments = _arguments(lm, args, {k: v for k, v in kwargs.items() if k != "fused_lm_head"})
-        reasons = _blocking(arguments)
+        with_aux, reasons = _head_call_reasons(lm, state, arguments)
         if reasons or arguments.get("labels") is None and arguments.get("shift_labels") is None:
             _bypass(state, lm, arguments, reasons or ["no labels"])
             return plain(*args, **kwargs)
-        return _fused_head_forward(lm, state, spec, arguments)
+        return _fused_head_forward(lm, state, spec, arguments, with_aux)
     arguments = _arguments(lm, args, kwargs)
     if arguments.get("labels") is None:
         return plain(*args, **kwargs)  # the model's own forward; its backbone call streams
-    # (a labels call adds the load-balancing loss itself, from statistics gathered while streaming)
-    reasons = [r for r in _blocking(arguments) if r != "output_router_logits"]
+    with_aux, reasons = _head_call_reasons(lm, state, arguments)
     if reasons:
         _bypass(state, lm, arguments, reasons)
         return plain(*args, **kwargs)
-    return _labels_forward(lm, state, arguments)
+    return _labels_forward(lm, state, arguments, with_aux)
+
+
+def _head_call_reasons(lm: nn.Module, state: _StreamState, arguments: dict) -> tuple[bool, list[str]]:
+    """(does a call leanbp's head answers add the load-balancing loss, why it cannot be streamed).
+
+    The loss is asked for by ``output_router_logits`` (the argument, else the config, as in
+    transformers); leanbp adds it from router statistics gathered while streaming its layers, so a
+    model whose routers it does not know (head-only mode) runs its own forward instead."""
+    reasons = [r for r in _blocking(arguments) if r != "output_router_logits"]
+    asked = arguments.get("output_router_logits")
+    if asked is None:
+        asked = getattr(lm.config, "output_router_logits", False)
+    if not asked:
+        return False, reasons
+    if state.config.layers and any(state.adapter.router(layer) for layer in state.adapter.layers()):
+        return True, reasons
+    return False, reasons + ["output_router_logits"]
 
 
 def _hidden_for_head(lm: nn.Module, state: _StreamState, arguments: dict, router_stats: bool = False):
@@ -332,27 +351,11 @@ def _head_params(norm: nn.Module, lm_head: nn.Module) -> list[torch.Tensor]:
     return list(dict.fromkeys(trainable(norm) + trainable(lm_head)))
 
 
-def _router_logits_asked(lm: nn.Module, state: _StreamState, arguments: dict) -> bool:
-    """Does this call add the load-balancing loss (transformers: ``output_router_logits``)?"""
-    asked = arguments.get("output_router_logits")
-    if asked is None:
-        asked = getattr(lm.config, "output_router_logits", False)
-    if not asked or not any(state.adapter.router(layer) for layer in state.adapter.layers()):
-        return False
-    if not state.config.layers:
-        raise NotImplementedError(
-            "the load-balancing loss (output_router_logits) needs streamed layers: leanbp gathers the router "
-            "statistics while streaming them; use leanbp.stream(model) with layers=True"
-        )
-    return True
-
-
-def _labels_forward(lm: nn.Module, state: _StreamState, arguments: dict):
+def _labels_forward(lm: nn.Module, state: _StreamState, arguments: dict, with_aux: bool):
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     labels = arguments["labels"]
     _check_targets(arguments, labels)
-    with_aux = _router_logits_asked(lm, state, arguments)
     hidden, norm, scratch, router_stats = _hidden_for_head(lm, state, arguments, router_stats=with_aux)
     targets = shift_labels(labels.to(hidden.device))
     denominator = arguments.get("num_items_in_batch")
@@ -370,12 +373,14 @@ def _labels_forward(lm: nn.Module, state: _StreamState, arguments: dict):
     if not grad and not lm.training and state.config.eval_logits:
         with run.autocast():
             logits = lm_head(norm(hidden))  # (B, T, V): evaluation asked for them, as in transformers
-        if not run.transform.identity:
-            logits = run.transform.apply_(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+        if not run.transform.identity:  # (as transformers: in the logits' dtype)
+            logits = run.transform.apply_(logits.to(torch.promote_types(logits.dtype, torch.float32))).to(logits.dtype)
     if router_stats is None:
         return CausalLMOutputWithPast(loss=loss, logits=logits)
     aux_loss = router_stats.loss()
-    loss = loss + state.adapter.router_aux_loss_coef() * aux_loss.to(loss.dtype)
+    # transformers weighs it with the model's attribute (set from the config when the model was built)
+    coef = getattr(lm, "router_aux_loss_coef", None)
+    loss = loss + (lm.config.router_aux_loss_coef if coef is None else coef) * aux_loss.to(loss.dtype)
     return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits)
 
 
@@ -396,34 +401,39 @@ def token_log_probs(model: nn.Module, labels: torch.Tensor, *, input_ids=None, i
         raise ValueError("token_log_probs needs a streamed model: call leanbp.stream(model) first")
     arguments = dict(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                      position_ids=position_ids)
-    transform = LogitTransform(softcap=state.adapter.logit_transform().softcap, temperature=temperature)
-    return _token_stats(lm, state, arguments, shift_labels(labels), transform, False, tuple(stats))
+    transform = replace(state.adapter.logit_transform(), temperature=temperature)
+    return _token_stats(lm, state, arguments, shift_labels(labels), transform, False, tuple(stats))[0]
 
 
 def _token_stats(lm: nn.Module, state: _StreamState, arguments: dict, targets: torch.Tensor,
-                 transform: LogitTransform, fp32_head: bool, stats: tuple[str, ...]) -> dict[str, torch.Tensor]:
+                 transform: LogitTransform, fp32_head: bool, stats: tuple[str, ...], with_aux: bool = False):
+    """(per-token statistics, the load-balancing loss when ``with_aux`` else None)."""
     _check_targets(arguments, targets)
-    hidden, norm, scratch, _ = _hidden_for_head(lm, state, arguments)
+    hidden, norm, scratch, router_stats = _hidden_for_head(lm, state, arguments, router_stats=with_aux)
     lm_head = state.adapter.lm_head()
     run = HeadRun(norm=norm, lm_head=lm_head, targets=targets.to(hidden.device),
                   chunk_size=state.config.head_chunk_size, autocast=AutocastState(hidden.device.type),
                   transform=transform, fp32_head=fp32_head, input_is_scratch=scratch and torch.is_grad_enabled())
-    return token_stats(hidden, run, stats, partial(_head_params, norm, lm_head))
+    out = token_stats(hidden, run, stats, partial(_head_params, norm, lm_head))
+    return out, None if router_stats is None else router_stats.loss()
 
 
-def _fused_head_forward(lm: nn.Module, state: _StreamState, spec, arguments: dict):
+def _fused_head_forward(lm: nn.Module, state: _StreamState, spec, arguments: dict, with_aux: bool):
     """TRL's ``fused_lm_head=True`` call, answered by leanbp's chunked per-token head with TRL's
     settings (temperature, logit scale, soft-capping, fp32 head, requested outputs)."""
     from ..integrations._trl_head import fused_output
 
     pre_shifted = arguments.get("shift_labels")
     targets = pre_shifted if pre_shifted is not None else shift_labels(arguments["labels"])
-    stats = _token_stats(lm, state, arguments, targets, spec.transform, spec.fp32_head, spec.outputs)
+    stats, aux_loss = _token_stats(lm, state, arguments, targets, spec.transform, spec.fp32_head, spec.outputs,
+                                   with_aux)
     if pre_shifted is None:  # TRL scores rows 0..T-2 against labels 1..T-1
         stats = {name: t[:, :-1] for name, t in stats.items()}
         targets = targets[:, :-1]
+    # TRL weighs the load-balancing loss with the config's coefficient (its trainers set it there)
+    aux = None if aux_loss is None else (aux_loss, getattr(lm.config, "router_aux_loss_coef", 0.0))
     return fused_output(stats, targets.to(stats["log_probs"].device) != IGNORE_INDEX,
-                        arguments.get("num_items_in_batch"))
+                        arguments.get("num_items_in_batch"), aux)
 
 
 def _warn_if_trl_head_outside(state: _StreamState, lm: nn.Module) -> None:

@@ -44,10 +44,16 @@ def fused_head_spec(forward) -> FusedHeadSpec | None:
     )
 
 
-def fused_output(stats: dict[str, torch.Tensor], mask: torch.Tensor, num_items_in_batch=None):
-    """TRL's ``FusedCausalLMOutput`` from leanbp's per-token statistics (zero where ``mask`` is False)."""
+def fused_output(stats: dict[str, torch.Tensor], mask: torch.Tensor, num_items_in_batch=None, aux=None):
+    """TRL's ``FusedCausalLMOutput`` from leanbp's per-token statistics (zero where ``mask`` is False);
+    ``aux``: (load-balancing loss, its weight in the loss), as TRL adds it for MoE models."""
     from trl.trainer.utils import FusedCausalLMOutput
 
     log_probs = stats["log_probs"]
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-    return FusedCausalLMOutput(loss=-log_probs.sum() / count, label_mask=mask, **stats)
+    loss = -log_probs.sum() / count
+    aux_loss = None
+    if aux is not None:
+        aux_loss, coef = aux
+        loss = loss + coef * aux_loss
+    return FusedCausalLMOutput(loss=loss, label_mask=mask, aux_loss=aux_loss, **stats)

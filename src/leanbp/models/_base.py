@@ -15,14 +15,15 @@ Adapters call the layer's own submodules (so PEFT-wrapped linears, custom norms 
 keep working), look modules up on every call (PEFT and engine wrappers replace them), and never copy
 a modeling file. ``DecoderAdapter`` implements the split for the common shape of a decoder layer;
 a family overrides the few hooks where it differs. The registry (``_registry.py``) is the only
-place a ``model_type`` string appears.
+place a ``model_type`` selects code.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from functools import partial
+from typing import ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -80,23 +81,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.to(x.dtype)  # (OLMo2's rotary embedding is float32 for a bf16 model; x keeps its dtype)
 
 
-def rms_norm_full_precision(module: nn.Module, hidden: torch.Tensor, plus_one: bool = False) -> torch.Tensor:
+def rms_norm_full_precision(module: nn.Module, hidden: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
     """transformers' RMSNorm computes in float32 even for a float64 model; here float64 stays
-    float64 (``plus_one``: the Gemma form, scale 1 + weight)."""
+    float64 (``offset`` 1: the Gemma form, scale 1 + weight, applied before the cast back)."""
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
     dtype = torch.promote_types(hidden.dtype, torch.float32)
     x = hidden.to(dtype)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    if plus_one:
-        return (x * (1.0 + module.weight.to(dtype))).to(hidden.dtype)
+    if offset:
+        return (x * (offset + module.weight.to(dtype))).to(hidden.dtype)
     return module.weight * x.to(hidden.dtype)
+
+
+@runtime_checkable
+class ApproxRecipe(Protocol):
+    """What ``leanbp.approx`` needs from a family: every ``FamilyAdapter``, and the encoder recipes."""
+
+    def norm_sites(self, notes: list[str]) -> list[NormSite]: ...
+
+    def activation_owners(self) -> list[tuple[nn.Module, str]]: ...
+
+    def activation_name(self) -> str | None: ...
 
 
 class FamilyAdapter(ABC):
     """Everything leanbp needs from one model family. One instance per streamed model."""
 
-    #: the ``config.model_type`` values this adapter serves (read by the registry only)
-    model_types: ClassVar[tuple[str, ...]] = ()
+    #: the family's RMSNorms scale by (norm_weight_offset + weight): 1 for Gemma, 0 elsewhere
+    norm_weight_offset: ClassVar[float] = 0.0
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -136,7 +148,13 @@ class FamilyAdapter(ABC):
         cos_sin = self.backbone().rotary_emb(hidden, position_ids)
         return [cos_sin] * len(self.layers())
 
+    #: one sliding window for every layer, from ``config.sliding_window`` (Mistral, Phi3); else
+    #: each attention module's own ``sliding_window`` (per-layer kinds: Qwen2, Gemma)
+    window_from_config: ClassVar[bool] = False
+
     def sliding_window(self, layer_idx: int) -> int | None:
+        if self.window_from_config:
+            return getattr(self.config, "sliding_window", None)
         return getattr(self.layers()[layer_idx].self_attn, "sliding_window", None)
 
     def attention_softcap(self, layer_idx: int) -> float | None:
@@ -150,24 +168,26 @@ class FamilyAdapter(ABC):
 
     @abstractmethod
     def chunk_forward(self, layer: nn.Module, hidden: torch.Tensor, prefix_key, prefix_value, cos, sin,
-                      masks: ChunkMasks, sink: PrefixGradSink | None = None, softcap: float | None = None
-                      ) -> LayerChunk:
+                      masks: ChunkMasks, sink: PrefixGradSink | None = None, softcap: float | None = None,
+                      router: Router | None = None) -> LayerChunk:
         """The layer for a chunk of rows ``hidden`` (B, c, H) attending to the visible rows before it
         (``prefix_key/value`` (B, Hkv, p, D), None when there are none); ``sink`` collects their K/V
-        gradients in backward (see ``chunk_attention``)."""
+        gradients in backward (see ``chunk_attention``); with a ``router``, its logits for these rows
+        are returned too."""
 
     # -- the head -----------------------------------------------------------------------------------
     def logit_transform(self) -> LogitTransform:
-        """What the family applies to ``lm_head``'s output before the softmax (final soft-capping)."""
-        return LogitTransform()
+        """What the causal LM applies to ``lm_head``'s output before the softmax, from the config
+        fields transformers' models read: ``logit_scale`` (multiplies), ``logits_scaling`` (divides),
+        ``final_logit_softcapping``."""
+        scale = float(getattr(self.config, "logit_scale", None) or 1.0)
+        scale /= float(getattr(self.config, "logits_scaling", None) or 1.0)
+        return LogitTransform(scale=scale, softcap=getattr(self.config, "final_logit_softcapping", None))
 
     # -- mixture of experts --------------------------------------------------------------------------
     def router(self, layer: nn.Module) -> Router | None:
         """The router of a mixture-of-experts layer, None for a dense layer."""
         return None
-
-    def router_aux_loss_coef(self) -> float:
-        return float(getattr(self.config, "router_aux_loss_coef", 0.0) or 0.0)
 
     # -- approx (MS-BP folds, 2-bit activations) -----------------------------------------------------
     def norm_sites(self, notes: list[str]) -> list[NormSite]:
@@ -177,16 +197,39 @@ class FamilyAdapter(ABC):
 
     def activation_owners(self) -> list[tuple[nn.Module, str]]:
         """(module, attribute) of every MLP activation a 2-bit approximation may replace."""
-        return []
+        return [(layer.mlp, self.activation_attr) for layer in self.layers()]
+
+    #: the attribute of a layer's MLP that holds its activation
+    activation_attr: ClassVar[str] = "act_fn"
+
+    def activation_name(self) -> str | None:
+        """The MLP activation's name in transformers' ACT2FN (which 2-bit approximation fits it)."""
+        return getattr(self.config, "hidden_act", None)
 
     # -- float64 verification ---------------------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def tiny_config(cls, window: int | None = None, **sizes):
+        """A config of the family for float64 tests: ``sizes`` (vocab, hidden, layers, heads...) plus
+        what the family needs to show its features (two layers of different kinds where it has
+        them); ``window``: the sliding window of its sliding layers (None: no sliding layer)."""
+
     @classmethod
     def full_precision_norm(cls, module: nn.Module):
         """A forward for ``module`` that keeps float64 in float64 (same function), or None when the
         module is not one of the family's norms that downcasts."""
         if type(module).__name__.endswith("RMSNorm") and hasattr(module, "weight"):
-            return rms_norm_full_precision
+            return partial(rms_norm_full_precision, offset=cls.norm_weight_offset)
         return None
+
+
+def final_norm_site(adapter: FamilyAdapter, notes: list[str]) -> list[NormSite]:
+    """The final norm folds into an untied LM head; a head tied to the embedding cannot change."""
+    head = adapter.model.get_output_embeddings()
+    if head.weight is adapter.model.get_input_embeddings().weight:
+        notes.append("final norm kept exact: the LM head is tied to the embedding")
+        return []
+    return [NormSite(adapter.backbone(), "norm", [head])]
 
 
 class DecoderAdapter(FamilyAdapter):
@@ -217,31 +260,33 @@ class DecoderAdapter(FamilyAdapter):
             key = attn.k_norm(key)
         return key, attn.v_proj(x).view(shape)
 
+    def project(self, attn: nn.Module, x: torch.Tensor):
+        """Query, key and value of a chunk's rows, before RoPE (a fused projection runs once here)."""
+        return self.project_query(attn, x), *self.project_key_value(attn, x)
+
     def attention_residual(self, layer: nn.Module, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         return hidden + attn_out
 
     def mlp_residual(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
-    def _key_value_from_input(self, attn: nn.Module, x: torch.Tensor, cos, sin):
-        key, value = self.project_key_value(attn, x)
+    def key_value(self, layer, hidden, cos, sin):
+        key, value = self.project_key_value(layer.self_attn, self.attention_input(layer, hidden))
         return apply_rope(key.transpose(1, 2), cos, sin), value.transpose(1, 2)  # (B, Hkv, n, D)
 
-    def key_value(self, layer, hidden, cos, sin):
-        return self._key_value_from_input(layer.self_attn, self.attention_input(layer, hidden), cos, sin)
-
-    def chunk_forward(self, layer, hidden, prefix_key, prefix_value, cos, sin, masks, sink=None, softcap=None):
+    def chunk_forward(self, layer, hidden, prefix_key, prefix_value, cos, sin, masks, sink=None, softcap=None,
+                      router=None):
         # The chunk's own K/V come from the same attention input as its queries, so a backward
         # through this call covers the K/V projections of these rows too.
         attn = layer.self_attn
-        x = self.attention_input(layer, hidden)
-        query = apply_rope(self.project_query(attn, x).transpose(1, 2), cos, sin)  # (B, Hq, c, D)
-        key_c, value_c = self._key_value_from_input(attn, x, cos, sin)  # (B, Hkv, c, D)
+        query, key_c, value_c = self.project(attn, self.attention_input(layer, hidden))  # (B, c, H*, D)
+        query = apply_rope(query.transpose(1, 2), cos, sin)  # (B, Hq, c, D)
+        key_c = apply_rope(key_c.transpose(1, 2), cos, sin)  # (B, Hkv, c, D)
+        value_c = value_c.transpose(1, 2)
         out = chunk_attention(query, prefix_key, prefix_value, key_c, value_c, masks, attn.scaling, sink,
                               softcap=softcap)
         out = out.transpose(1, 2).reshape(*hidden.shape[:-1], -1)  # (B, c, Hq*D)
         hidden = self.attention_residual(layer, hidden, attn.o_proj(out))
-        router = self.router(layer)
         if router is None:
             return LayerChunk(self.mlp_residual(layer, hidden), key_c, value_c)
         with _Recorded(router.module) as recorded:  # the router's logits, as transformers records them

@@ -14,8 +14,13 @@ from ._base import NormSite
 
 
 class _Encoder:
+    """An ``ApproxRecipe`` (``models/_base.py``): fold sites and activations only."""
+
     def __init__(self, model: nn.Module):
         self.model = model
+
+    def activation_name(self):
+        return getattr(self.model.config, "hidden_act", None)
 
 
 class VitRecipe(_Encoder):

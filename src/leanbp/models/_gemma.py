@@ -13,13 +13,14 @@ layers (one (cos, sin) per layer type, shared by the layers of that type).
 
 from __future__ import annotations
 
-from functools import partial
+import transformers
 
-from ..engine._head import LogitTransform
-from ._base import DecoderAdapter, rms_norm_full_precision
+from ._base import DecoderAdapter
 
 
 class Gemma2Adapter(DecoderAdapter):
+    norm_weight_offset = 1.0
+
     def attention_residual(self, layer, hidden, attn_out):
         return hidden + layer.post_attention_layernorm(attn_out)
 
@@ -28,9 +29,6 @@ class Gemma2Adapter(DecoderAdapter):
 
     def attention_softcap(self, layer_idx):
         return getattr(self.config, "attn_logit_softcapping", None)
-
-    def logit_transform(self):
-        return LogitTransform(softcap=getattr(self.config, "final_logit_softcapping", None))
 
     def check(self):
         if getattr(self.config, "use_bidirectional_attention", False):
@@ -41,21 +39,37 @@ class Gemma2Adapter(DecoderAdapter):
                      "the residual sum, not a linear layer")
         return []
 
-    def activation_owners(self):
-        return [(layer.mlp, "act_fn") for layer in self.layers()]
+    def activation_name(self):
+        # tanh-approximated GELU: ReGELU2's forward is the erf form, so it is refused (not swapped)
+        return getattr(self.config, "hidden_activation", None)
 
     @classmethod
-    def full_precision_norm(cls, module):
-        if type(module).__name__.endswith("RMSNorm"):
-            return partial(rms_norm_full_precision, plus_one=True)
-        return None
+    def _kinds(cls, window, sizes):
+        """A sliding layer, then a global one (all global without a window)."""
+        layers = sizes.get("num_hidden_layers", 2)
+        kinds = ["sliding_attention", "full_attention"] if window else ["full_attention"]
+        return dict(layer_types=(kinds * layers)[:layers], sliding_window=window or 4096,
+                    query_pre_attn_scalar=24)
+
+    @classmethod
+    def tiny_config(cls, window=None, **sizes):
+        # soft-capping small enough that tanh is far from linear; SDPA cannot soft-cap: eager
+        return transformers.Gemma2Config(**{**cls._kinds(window, sizes), "attn_logit_softcapping": 3.0,
+                                            "final_logit_softcapping": 5.0, **sizes, "attn_implementation": "eager"})
 
 
 class Gemma3Adapter(Gemma2Adapter):
     head_norms = True
+
+    def attention_softcap(self, layer_idx):
+        return None  # Gemma3's attention never passes its config's attn_logit_softcapping on
 
     def position_embeddings(self, hidden, position_ids):
         rotary = self.backbone().rotary_emb
         kinds = self.config.layer_types
         per_kind = {kind: rotary(hidden, position_ids, kind) for kind in set(kinds)}
         return [per_kind[kind] for kind in kinds]
+
+    @classmethod
+    def tiny_config(cls, window=None, **sizes):
+        return transformers.Gemma3TextConfig(**{**cls._kinds(window, sizes), **sizes})

@@ -14,8 +14,6 @@ from ._base import FamilyAdapter
 
 
 class HeadOnlyAdapter(FamilyAdapter):
-    streams_layers = False
-
     def backbone(self):
         return self.model.base_model
 
@@ -36,3 +34,10 @@ class HeadOnlyAdapter(FamilyAdapter):
 
     def chunk_forward(self, *args, **kwargs):
         raise NotImplementedError
+
+    @classmethod
+    def tiny_config(cls, window=None, **sizes):
+        raise NotImplementedError("the head-only fallback serves models of unregistered families")
+
+    def activation_owners(self):
+        return []

@@ -4,48 +4,62 @@
     h = h + mlp(n2(h))
 
 This is ``DecoderAdapter``'s default layer; the families differ only in where the sliding window
-comes from and in the q/k norms. It is also the worked example of "Adding a family" in the README.
+comes from and in the q/k norms.
 """
 
 from __future__ import annotations
 
-from ._base import DecoderAdapter, NormSite
+import transformers
+
+from ._base import DecoderAdapter, NormSite, final_norm_site
 
 
 class LlamaAdapter(DecoderAdapter):
-    """Llama and Qwen2 (per-layer sliding windows are read from the attention module)."""
+    def mlp_norm_consumers(self, layer) -> list | None:
+        """The linears the post-attention norm feeds (None: it feeds something else too)."""
+        return [layer.mlp.gate_proj, layer.mlp.up_proj]
 
     def norm_sites(self, notes):
         sites = []
         for layer in self.layers():
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             sites.append(NormSite(layer, "input_layernorm", [attn.q_proj, attn.k_proj, attn.v_proj]))
-            sites.append(NormSite(layer, "post_attention_layernorm", [mlp.gate_proj, mlp.up_proj]))
+            consumers = self.mlp_norm_consumers(layer)
+            if consumers is not None:
+                sites.append(NormSite(layer, "post_attention_layernorm", consumers))
+        if self.head_norms:
+            notes.append("q/k norms kept exact: they feed RoPE, not a linear layer")
         return sites + final_norm_site(self, notes)
 
-    def activation_owners(self):
-        return [(layer.mlp, "act_fn") for layer in self.layers()]
+    @classmethod
+    def tiny_config(cls, window=None, **sizes):
+        return transformers.LlamaConfig(**sizes)
 
 
-class MistralAdapter(LlamaAdapter):
-    """Mistral: one sliding window for every layer, from the config."""
+class Qwen2Adapter(LlamaAdapter):
+    """Qwen2: per-layer sliding windows (read from each attention module)."""
 
-    def sliding_window(self, layer_idx):
-        return getattr(self.config, "sliding_window", None)
+    @classmethod
+    def tiny_config(cls, window=None, **sizes):
+        # layers from max_window_layers on slide: layer 0 global, layer 1 sliding
+        sliding = dict(use_sliding_window=True, sliding_window=window, max_window_layers=1) if window else {}
+        return transformers.Qwen2Config(**{**sliding, **sizes})
 
 
 class Qwen3Adapter(LlamaAdapter):
     head_norms = True
 
-    def norm_sites(self, notes):
-        notes.append("q/k norms kept exact: they feed RoPE, not a linear layer")
-        return super().norm_sites(notes)
+    @classmethod
+    def tiny_config(cls, window=None, **sizes):
+        sliding = dict(use_sliding_window=True, sliding_window=window, max_window_layers=1) if window else {}
+        return transformers.Qwen3Config(**{**sliding, **sizes})
 
 
-def final_norm_site(adapter, notes) -> list[NormSite]:
-    """The final norm folds into an untied LM head; a head tied to the embedding cannot change."""
-    head = adapter.model.get_output_embeddings()
-    if head.weight is adapter.model.get_input_embeddings().weight:
-        notes.append("final norm kept exact: the LM head is tied to the embedding")
-        return []
-    return [NormSite(adapter.backbone(), "norm", [head])]
+class MistralAdapter(LlamaAdapter):
+    """Mistral: one sliding window for every layer."""
+
+    window_from_config = True
+
+    @classmethod
+    def tiny_config(cls, window=None, **sizes):
+        return transformers.MistralConfig(**{"sliding_window": window, **sizes})

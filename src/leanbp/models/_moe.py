@@ -10,41 +10,60 @@ both per layer while streaming the forward and hands the probability sums a grad
 
 from __future__ import annotations
 
-from ._base import NormSite, Router
-from ._llama import MistralAdapter, Qwen3Adapter, final_norm_site
+import transformers
+
+from ._base import Router
+from ._llama import LlamaAdapter, MistralAdapter, Qwen3Adapter
 
 
-class _MoeMixin:
-    def _is_sparse(self, layer) -> bool:
-        return hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")
+def _sparse(layer) -> bool:
+    """A routed MLP (Qwen3-MoE also has dense layers: mlp_only_layers, decoder_sparse_step)."""
+    return hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")
 
+
+class _MoeAdapter(LlamaAdapter):
     def router(self, layer):
-        if not self._is_sparse(layer):  # Qwen3-MoE's mlp_only_layers / decoder_sparse_step
+        if not _sparse(layer):
             return None
         gate = layer.mlp.gate
         return Router(gate, num_experts=gate.num_experts, top_k=gate.top_k)
 
+    def mlp_norm_consumers(self, layer):
+        if _sparse(layer):  # the router and the experts' fused 3D weights: nothing to fold into
+            return None
+        return super().mlp_norm_consumers(layer)
+
     def norm_sites(self, notes):
-        notes.append("post-attention norms kept exact: they feed the router and the experts' fused 3D weights")
-        sites = []
-        for layer in self.layers():
-            attn = layer.self_attn
-            sites.append(NormSite(layer, "input_layernorm", [attn.q_proj, attn.k_proj, attn.v_proj]))
-            if not self._is_sparse(layer):
-                sites.append(NormSite(layer, "post_attention_layernorm", [layer.mlp.gate_proj, layer.mlp.up_proj]))
-        return sites + final_norm_site(self, notes)
+        notes.append("post-attention norms of MoE layers kept exact: they feed the router and the experts' "
+                     "fused 3D weights")
+        return super().norm_sites(notes)
 
     def activation_owners(self):
-        return [(layer.mlp.experts if self._is_sparse(layer) else layer.mlp, "act_fn") for layer in self.layers()]
+        return [(layer.mlp.experts if _sparse(layer) else layer.mlp, "act_fn") for layer in self.layers()]
 
 
-class Qwen3MoeAdapter(_MoeMixin, Qwen3Adapter):
-    pass
+# tiny test models: 4 experts, 2 per token, the load-balancing loss on with a large weight, and the
+# experts' eager loop (torch's grouped matmul has no float64 kernel)
+_TINY_MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5,
+                 experts_implementation="eager")
 
 
-class MixtralAdapter(_MoeMixin, MistralAdapter):
+class Qwen3MoeAdapter(_MoeAdapter, Qwen3Adapter):
+    @classmethod
+    def tiny_config(cls, window=None, **sizes):
+        # the second layer dense (mlp_only_layers); a window slides every layer
+        sliding = dict(use_sliding_window=True, sliding_window=window) if window else {}
+        return transformers.Qwen3MoeConfig(**{"num_experts": 4, "moe_intermediate_size": 32, "mlp_only_layers": [1],
+                                              **sliding, **_TINY_MOE, **sizes})
+
+
+class MixtralAdapter(_MoeAdapter, MistralAdapter):
     def training_randomness(self):
         out = super().training_randomness()
         if float(getattr(self.config, "router_jitter_noise", 0.0) or 0.0) > 0:
             out.append(f"router_jitter_noise={self.config.router_jitter_noise}")
         return out
+
+    @classmethod
+    def tiny_config(cls, window=None, **sizes):
+        return transformers.MixtralConfig(**{"num_local_experts": 4, "sliding_window": window, **_TINY_MOE, **sizes})

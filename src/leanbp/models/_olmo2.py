@@ -3,12 +3,15 @@ over the full projection width (all heads together), before the heads are split.
 
     h = h + n1(o_proj(attention(rope(q_norm(q_proj(h))), rope(k_norm(k_proj(h))), v_proj(h))))
     h = h + n2(mlp(h))
+
+This module is the worked example of "Adding a family" in the README.
 """
 
 from __future__ import annotations
 
-from ._base import DecoderAdapter
-from ._llama import final_norm_site
+import transformers
+
+from ._base import DecoderAdapter, final_norm_site
 
 
 class Olmo2Adapter(DecoderAdapter):
@@ -32,5 +35,6 @@ class Olmo2Adapter(DecoderAdapter):
         notes.append("OLMo2 layer norms kept exact: they follow the sublayers and feed the residual sum")
         return final_norm_site(self, notes)
 
-    def activation_owners(self):
-        return [(layer.mlp, "act_fn") for layer in self.layers()]
+    @classmethod
+    def tiny_config(cls, window=None, **sizes):
+        return transformers.Olmo2Config(**{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **sizes})

@@ -5,40 +5,41 @@ layers, and residual dropout (refused in a training step while it is on)."""
 from __future__ import annotations
 
 import torch.nn.functional as F
+import transformers
 from torch import nn
 
-from ._base import DecoderAdapter, NormSite
-from ._llama import final_norm_site
+from ._base import DecoderAdapter, NormSite, final_norm_site
 
 
 class Phi3Adapter(DecoderAdapter):
-    def _split(self, attn):
-        q = self.config.num_attention_heads * attn.head_dim
-        kv = self.config.num_key_value_heads * attn.head_dim
-        return q, kv
+    window_from_config = True
+    activation_attr = "activation_fn"
 
-    def project_query(self, attn, x):
-        q, _ = self._split(attn)
-        return self._rows(attn.qkv_proj, x, 0, q).view(*x.shape[:-1], -1, attn.head_dim)
+    def _widths(self, attn):
+        """(query width, key width) of ``qkv_proj``'s output: [q | k | v], v as wide as k."""
+        return self.config.num_attention_heads * attn.head_dim, self.config.num_key_value_heads * attn.head_dim
+
+    def project(self, attn, x):
+        q, kv = self._widths(attn)
+        qkv = attn.qkv_proj(x)  # (B, c, q + 2 kv): the fused projection runs once per chunk
+        shape = (*x.shape[:-1], -1, attn.head_dim)
+        return qkv[..., :q].view(shape), qkv[..., q:q + kv].view(shape), qkv[..., q + kv:].view(shape)
 
     def project_key_value(self, attn, x):
-        q, kv = self._split(attn)
-        kv_out = self._rows(attn.qkv_proj, x, q, q + 2 * kv)  # (B, n, 2*Hkv*D)
-        shape = (*x.shape[:-1], -1, attn.head_dim)
-        return kv_out[..., :kv].view(shape), kv_out[..., kv:].view(shape)
-
-    @staticmethod
-    def _rows(linear, x, start, end):
-        """Output features [start, end) of ``linear``: a slice of a plain Linear's weight (a view, no
-        copy: K/V of all rows in backward need no query projection); any other module (PEFT's LoRA
-        wrapper) runs whole and is sliced after."""
+        """K/V of all rows for the prefix (backward): a plain Linear's weight rows [q, q + 2 kv) (a view,
+        no copy) skip the query projection; any other module (PEFT's LoRA wrapper) runs whole."""
+        q, kv = self._widths(attn)
+        linear = attn.qkv_proj
         if type(linear) is nn.Linear:
-            bias = None if linear.bias is None else linear.bias[start:end]
-            return F.linear(x, linear.weight[start:end], bias)
-        return linear(x)[..., start:end]
+            bias = None if linear.bias is None else linear.bias[q:]
+            out = F.linear(x, linear.weight[q:], bias)  # (B, n, 2 kv)
+        else:
+            out = linear(x)[..., q:]
+        shape = (*x.shape[:-1], -1, attn.head_dim)
+        return out[..., :kv].view(shape), out[..., kv:].view(shape)
 
-    def sliding_window(self, layer_idx):
-        return getattr(self.config, "sliding_window", None)
+    def project_query(self, attn, x):
+        return self.project(attn, x)[0]
 
     def training_randomness(self):
         out = super().training_randomness()
@@ -53,6 +54,7 @@ class Phi3Adapter(DecoderAdapter):
             sites.append(NormSite(layer, "post_attention_layernorm", [layer.mlp.gate_up_proj]))
         return sites + final_norm_site(self, notes)
 
-    def activation_owners(self):
-        return [(layer.mlp, "activation_fn") for layer in self.layers()]
-
+    @classmethod
+    def tiny_config(cls, window=None, **sizes):
+        return transformers.Phi3Config(**{"partial_rotary_factor": 0.5, "sliding_window": window, "pad_token_id": 0,
+                                          "bos_token_id": 1, "eos_token_id": 2, **sizes})

@@ -1,14 +1,14 @@
-"""The registry of family adapters: the only place a ``config.model_type`` string appears."""
+"""The registry of family adapters: the only place a ``config.model_type`` selects code."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from ._base import FamilyAdapter
+from ._base import ApproxRecipe, FamilyAdapter
 from ._encoders import BertRecipe, VitRecipe
 from ._gemma import Gemma2Adapter, Gemma3Adapter
 from ._head_only import HeadOnlyAdapter
-from ._llama import LlamaAdapter, MistralAdapter, Qwen3Adapter
+from ._llama import LlamaAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter
 from ._moe import MixtralAdapter, Qwen3MoeAdapter
 from ._olmo2 import Olmo2Adapter
 from ._phi3 import Phi3Adapter
@@ -16,7 +16,7 @@ from ._phi3 import Phi3Adapter
 _ADAPTERS: dict[str, type[FamilyAdapter]] = {
     "llama": LlamaAdapter,
     "mistral": MistralAdapter,
-    "qwen2": LlamaAdapter,
+    "qwen2": Qwen2Adapter,
     "qwen3": Qwen3Adapter,
     "gemma2": Gemma2Adapter,
     "gemma3_text": Gemma3Adapter,
@@ -33,6 +33,19 @@ _APPROX_ONLY = {"vit": VitRecipe, "bert": BertRecipe, "roberta": BertRecipe}
 
 def supported_model_types() -> tuple[str, ...]:
     return tuple(sorted(_ADAPTERS))
+
+
+# the sizes of a tiny float64 test model (GQA: 4 query heads on 2 K/V heads)
+_TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False,
+             attn_implementation="sdpa")
+
+
+def tiny_config(model_type: str, window: int | None = None, **overrides):
+    """A 2-layer config of a registered family for float64 tests (``FamilyAdapter.tiny_config``)."""
+    if model_type not in _ADAPTERS:
+        raise ValueError(f"no adapter for {model_type!r}; registered: {', '.join(supported_model_types())}")
+    return _ADAPTERS[model_type].tiny_config(window, **{**_TINY, **overrides})
 
 
 def model_type_of(model: nn.Module) -> str | None:
@@ -75,7 +88,7 @@ def adapter_for(model: nn.Module, layers: bool = True) -> FamilyAdapter:
     )
 
 
-def approx_recipe_for(model: nn.Module):
+def approx_recipe_for(model: nn.Module) -> ApproxRecipe:
     """What ``leanbp.approx`` needs (``norm_sites``, ``activation_owners``) for ``model``'s family."""
     model_type = model_type_of(model)
     if model_type in _ADAPTERS:
