@@ -19,11 +19,18 @@ from _helpers import compare_step, make_batch
 
 import leanbp
 from leanbp._verify_utils import (full_precision_norms, reference_causal_lm_loss, reference_load_balancing_loss,
-                                  relative_errors)
+                                  relative_errors, streamed_vs_plain)
 from leanbp.distributed._conformance import ChunkCounter
 from leanbp.models import adapter_for, supported_model_types
 
 MOE = ("qwen3_moe", "mixtral")
+
+
+def _errors(model, labels, inputs, ref_inputs=None, **stream_kwargs):
+    """{parameter: relative gradient error} of one float64 step, streamed vs plain autograd."""
+    reference, _, _ = streamed_vs_plain(model, labels, inputs, stream_kwargs or dict(chunk_size=7),
+                                        ref_inputs=ref_inputs)
+    return relative_errors(reference, model)
 
 
 def test_every_registered_family_builds_its_tiny_model():
@@ -54,13 +61,8 @@ def test_family_streams_packed_rows_and_inputs_embeds(family):
     model = tiny_model(family, window=16)
     ids, _, labels = make_batch(B=2, padding="none")
     position_ids = torch.cat([torch.arange(20), torch.arange(25)]).expand(2, -1)
-    reference = copy.deepcopy(model)
-    with full_precision_norms(reference, model):
-        reference_causal_lm_loss(reference, labels, input_ids=ids, position_ids=position_ids,
-                                 use_cache=False).backward()
-        leanbp.stream(model, chunk_size=8, head_chunk_size=16)
-        model(input_ids=ids, position_ids=position_ids, labels=labels).loss.backward()
-    errs = relative_errors(reference, model)
+    inputs = dict(input_ids=ids, position_ids=position_ids)
+    errs = _errors(model, labels, inputs, dict(inputs, use_cache=False), chunk_size=8, head_chunk_size=16)
     assert max(errs.values()) <= 1e-12, {k: v for k, v in errs.items() if v > 1e-12}
     _, input_err, errs = compare_step(tiny_model(family), dict(chunk_size=7), make_batch(), embeds=True)
     assert input_err <= 1e-12 and max(errs.values()) <= 1e-12
@@ -176,12 +178,7 @@ def test_approx_through_the_family_adapter(family):
         with pytest.raises(NotImplementedError, match="no 2-bit approximation"):
             leanbp.approx(copy.deepcopy(model))
     leanbp.approx(model, activations=activations)
-    reference = copy.deepcopy(model)
-    with full_precision_norms(reference, model):
-        reference_causal_lm_loss(reference, labels, input_ids=ids, attention_mask=mask).backward()
-        leanbp.stream(model, chunk_size=7)
-        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-    errs = relative_errors(reference, model)
+    errs = _errors(model, labels, dict(input_ids=ids, attention_mask=mask))
     assert max(errs.values()) <= 1e-12, {k: v for k, v in errs.items() if v > 1e-12}
 
 
@@ -226,12 +223,7 @@ def test_phi3_with_lora_on_its_fused_projections():
     model = peft.get_peft_model(tiny_model("phi3", window=16), peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=["qkv_proj", "gate_up_proj"], init_lora_weights=False))
     ids, mask, labels = make_batch()
-    reference = copy.deepcopy(model)
-    with full_precision_norms(reference, model):
-        reference_causal_lm_loss(reference, labels, input_ids=ids, attention_mask=mask).backward()
-        leanbp.stream(model, chunk_size=7)
-        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-    errs = relative_errors(reference, model)
+    errs = _errors(model, labels, dict(input_ids=ids, attention_mask=mask))
     assert len(errs) == 8 and max(errs.values()) <= 1e-12, errs  # A and B of 2 wrapped linears x 2 layers
 
 

@@ -39,20 +39,18 @@ class LlamaAdapter(DecoderAdapter):
 class Qwen2Adapter(LlamaAdapter):
     """Qwen2: per-layer sliding windows (read from each attention module)."""
 
+    config_class = transformers.Qwen2Config
+
     @classmethod
     def tiny_config(cls, window=None, **sizes):
         # layers from max_window_layers on slide: layer 0 global, layer 1 sliding
         sliding = dict(use_sliding_window=True, sliding_window=window, max_window_layers=1) if window else {}
-        return transformers.Qwen2Config(**{**sliding, **sizes})
+        return cls.config_class(**{**sliding, **sizes})
 
 
-class Qwen3Adapter(LlamaAdapter):
+class Qwen3Adapter(Qwen2Adapter):
     head_norms = True
-
-    @classmethod
-    def tiny_config(cls, window=None, **sizes):
-        sliding = dict(use_sliding_window=True, sliding_window=window, max_window_layers=1) if window else {}
-        return transformers.Qwen3Config(**{**sliding, **sizes})
+    config_class = transformers.Qwen3Config
 
 
 class MistralAdapter(LlamaAdapter):
