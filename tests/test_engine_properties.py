@@ -3,7 +3,6 @@ reversible, checkpoints plain transformers can load, clear errors."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import transformers
