@@ -68,10 +68,11 @@ def test_verify_a_local_config(tmp_path, capsys):
 
 
 def test_bench_writes_table_csv_and_plot(tmp_path, capsys):
-    assert main(["bench", "--seq-lens", "64", "--methods", "ckpt,leanbp", "--out", str(tmp_path),
+    assert main(["bench", "--seq-lens", "64", "--methods", "ckpt,leanbp,leanbp_auto", "--out", str(tmp_path),
                  "--chunk-size", "32"]) == 0
     out = capsys.readouterr().out
-    assert "| 64 | leanbp |" in out
+    assert "| 64 | leanbp | 32 |" in out
+    assert "| 64 | leanbp_auto | 64 |" in out  # "auto": the whole sequence fits the default budget
     csv_text = (tmp_path / "bench.csv").read_text()
     assert csv_text.startswith("method,seq_len") and "leanbp" in csv_text
     assert (tmp_path / "bench.png").stat().st_size > 0

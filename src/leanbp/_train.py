@@ -22,7 +22,7 @@ from ._builtin import TRAIN_QWEN3, build_model, qwen3_config
 from ._data import TokenData, load_tokenizer
 from .approx import approx
 from .distributed._engines import ENGINES, Engine, make_engine
-from .engine import StreamConfig, stream
+from .engine import StreamConfig, chunk_size_used, stream
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -46,7 +46,7 @@ class TrainConfig:
     warmup: int = 5
     weight_decay: float = 0.0
     dtype: str = "fp32"
-    chunk_size: int = StreamConfig.chunk_size
+    chunk_size: int | str = "auto"  # the largest chunk within the default budget (engine/_chunking.py)
     head_chunk_size: int = StreamConfig.head_chunk_size
     stream: bool = True
     approx: str = "none"  # none | act | norm | both (Approx-BP / MS-BP; "act" changes gradients)
@@ -77,8 +77,8 @@ class TrainConfig:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "chunk_size", "head_chunk_size",
                      "save_every", "group_size", "completion_len", "keep"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
+            if not (name == "chunk_size" and self.chunk_size == "auto") and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1" + (' or "auto"' if name == "chunk_size" else ""))
         if self.lr <= 0:
             raise ValueError("lr must be > 0")
         if self.approx not in ("none", "act", "norm", "both"):
@@ -299,7 +299,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
                 writer.writerow([step + 1, f"{loss_value:.5f}", f"{lr:.3e}", f"{tokens / seconds:.1f}",
                                  f"{report['peak']:.1f}", f"{report['activations']:.1f}"])
                 log.flush()
-            bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens / seconds:.0f}", peak_mib=f"{report['peak']:.0f}")
+            bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens / seconds:.0f}", peak_mib=f"{report['peak']:.0f}",
+                            **({"chunk": chunk_size_used(model)} if cfg.stream else {}))
             if state["step"] % cfg.save_every == 0 or state["step"] == cfg.steps:
                 save_checkpoint(out, engine, state, cfg.keep)
     finally:

@@ -36,7 +36,9 @@ def _add_train(sub):
     p.add_argument("--warmup", type=int, default=5, help="linear warmup steps, then cosine decay to 10%% of --lr")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp64"], default="fp32")
-    p.add_argument("--chunk-size", type=int, default=StreamConfig.chunk_size, help="rows per chunk in a decoder layer")
+    p.add_argument("--chunk-size", type=_chunk_size, default="auto",
+                   help='rows per chunk in a decoder layer, or "auto" (default): the largest chunk whose working set '
+                        "fits what the saved layer inputs take (at least 1024 rows; shown in the progress bar)")
     p.add_argument("--head-chunk-size", type=int, default=StreamConfig.head_chunk_size,
                    help="labelled rows per chunk in the LM head + loss")
     p.add_argument("--no-stream", action="store_true", help="plain autograd (baseline)")
@@ -76,7 +78,8 @@ def _add_bench(sub):
     p.add_argument("--seq-lens", help="comma-separated sequence lengths (stream: 2048,4096,8192,16384; "
                                       "approx: 512,1024,2048; trl: per objective, e.g. sft=4096:16384,dpo=8192)")
     p.add_argument("--timed-steps", type=int, default=3, help="stream and trl suites: steps timed per case (median)")
-    p.add_argument("--methods", default="plain,ckpt,leanbp", help="stream suite: comma-separated plain, ckpt, leanbp")
+    p.add_argument("--methods", default="plain,ckpt,leanbp",
+                   help='stream suite: comma-separated plain, ckpt, leanbp, leanbp_auto (chunk_size="auto")')
     p.add_argument("--model", default="qwen3", choices=BENCH_MODELS,
                    help="stream suite: the bench shape as a Qwen3 (default), Gemma3 (3 sliding-window layers of "
                         "1024 + 1 global) or Qwen3-MoE (8 experts, top 2, load-balancing loss on) model")
@@ -85,7 +88,9 @@ def _add_bench(sub):
                    help="stream suite: fp32 (default) or bf16; approx suite: autocast (default: fp32 parameters, "
                         "bf16 compute) or fp32")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--chunk-size", type=int, default=StreamConfig.chunk_size)
+    p.add_argument("--chunk-size", type=_chunk_size, default=StreamConfig.chunk_size,
+                   help='rows per chunk in a decoder layer (default 1024), or "auto"; method leanbp_auto runs "auto" '
+                        "beside the fixed size")
     p.add_argument("--head-chunk-size", type=int, default=StreamConfig.head_chunk_size)
     p.add_argument("--out", default="bench_out", help="folder for bench.csv / bench.json / bench.png")
 
@@ -183,6 +188,15 @@ def _bench(args) -> int:
     print(format_table(rows))
     print(f"\nwrote {args.out}/bench.csv, bench.json, bench.png")
     return 0
+
+
+def _chunk_size(text: str):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'expected a number of rows or "auto", got {text!r}') from None
 
 
 def _ints(text: str, flag: str, sep: str = ",") -> list[int]:

@@ -13,7 +13,8 @@ import time
 
 import torch
 
-METHODS = ("plain", "ckpt", "leanbp", "head")  # head: transformers' decoder + leanbp's chunked loss
+# head: transformers' decoder + leanbp's chunked loss; leanbp_auto: leanbp with chunk_size="auto"
+METHODS = ("plain", "ckpt", "leanbp", "leanbp_auto", "head")
 APPROX = ("none", "act", "norm", "both")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -53,10 +54,10 @@ def build_case_model(spec: dict):
         top = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS))
     if variant != "none":
         approx(model, activations=variant in ("act", "both"), norms=variant in ("norm", "both"))
-    if method in ("leanbp", "head"):
-        stream(model, chunk_size=spec.get("chunk_size", StreamConfig.chunk_size),
+    if method in ("leanbp", "leanbp_auto", "head"):
+        stream(model, chunk_size="auto" if method == "leanbp_auto" else spec.get("chunk_size", StreamConfig.chunk_size),
                head_chunk_size=spec.get("head_chunk_size", StreamConfig.head_chunk_size),
-               layers=method == "leanbp")
+               layers=method != "head")
     return top, model.config
 
 
@@ -98,8 +99,11 @@ def run_case(spec: dict) -> dict:
         model.zero_grad(set_to_none=False)
     seconds = sorted(times)[len(times) // 2]
     r = mem.report
+    from ..engine import chunk_size_used, is_streamed
+
+    rows = chunk_size_used(model) if is_streamed(model) and spec["method"] != "head" else None
     return {**spec, "loss": loss, "peak": r.peak, "params": r.params, "grads": r.grads,
-            "activations": r.activations, "step_s": seconds}
+            "activations": r.activations, "step_s": seconds, "chunk_rows": rows}
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .._builtin import BENCH_MODELS
+from ._case import METHODS
 from ..engine import StreamConfig
 
 MiB = 2**20
@@ -51,9 +52,10 @@ class BenchCase:
 
     def __post_init__(self):
         _check_list("seq_lens", self.seq_lens)
-        _check_list("methods", self.methods, ("plain", "ckpt", "leanbp", "head"))
+        _check_list("methods", self.methods, METHODS)
         _check_list("model", [self.model], BENCH_MODELS)
-        _check_positive(self, "batch", "chunk_size", "head_chunk_size", "timed_steps")
+        _check_positive(self, "batch", "head_chunk_size", "timed_steps", *([] if self.chunk_size == "auto" else
+                                                                             ["chunk_size"]))
 
 
 def machine() -> dict:
@@ -313,12 +315,13 @@ def _add_ratios(rows: list[dict], name: str, is_base, group) -> None:
         r[f"time_vs_{name}"] = r["step_s"] / base["step_s"]
 
 
-COLUMNS = ["method", "seq_len", "peak_mib", "params_mib", "grads_mib", "act_mib", "step_s",
+COLUMNS = ["method", "seq_len", "chunk_rows", "peak_mib", "params_mib", "grads_mib", "act_mib", "step_s",
            "act_vs_ckpt", "time_vs_ckpt", "error"]
 
 
 def _flat(r: dict) -> dict:
-    out = {"method": r["method"], "seq_len": r["seq_len"], "error": r.get("error", "")}
+    out = {"method": r["method"], "seq_len": r["seq_len"], "chunk_rows": r.get("chunk_rows") or "",
+           "error": r.get("error", "")}
     for key, col in (("peak", "peak_mib"), ("params", "params_mib"), ("grads", "grads_mib"),
                      ("activations", "act_mib")):
         out[col] = round(r[key] / MiB, 1) if key in r else ""
@@ -337,8 +340,8 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
 def format_table(rows: list[dict]) -> str:
     return markdown_table(
-        ["T", "method", "peak MiB", "activation MiB", "step s", "act / ckpt", "time / ckpt"], rows,
-        key=lambda r: [r["seq_len"], r["method"]],
+        ["T", "method", "chunk", "peak MiB", "activation MiB", "step s", "act / ckpt", "time / ckpt"], rows,
+        key=lambda r: [r["seq_len"], r["method"], r.get("chunk_rows") or ""],
         values=lambda r: [(f := _flat(r))["peak_mib"], f["act_mib"], f"{r['step_s']:.1f}", _ratio(f["act_vs_ckpt"]),
                           _ratio(f["time_vs_ckpt"])])
 

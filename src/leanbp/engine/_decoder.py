@@ -36,10 +36,11 @@ def check_attention_mask(attention_mask, batch: int, length: int) -> None:
         )
 
 
-def decoder_layers(adapter, config, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None,
+def decoder_layers(adapter, chunk_size, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None,
                    router_stats: bool = False):
     """(B, T, H) output of the last decoder layer (before the final norm), streamed, and the
     ``RouterStats`` of its mixture-of-experts layers when ``router_stats`` (else None).
+    ``chunk_size(hidden)`` gives the rows per chunk for the embedded input (B, T, H).
 
     Packed rows: with ``position_ids`` that restart inside a row and no ``attention_mask``, every
     document attends only to itself (transformers' rule); with an attention mask the position ids
@@ -65,12 +66,13 @@ def decoder_layers(adapter, config, input_ids=None, inputs_embeds=None, attentio
         key_keep = attention_mask.to(device=hidden.device, dtype=torch.bool)
     stats = RouterStats(key_keep, B, T) if router_stats else None
     autocast = AutocastState(hidden.device.type)
+    rows = chunk_size(hidden)
     check_layers(adapter.layers())
     for i, layer in enumerate(adapter.layers()):
         router = adapter.router(layer) if stats is not None else None
         run = LayerRun(adapter=adapter, layer=layer, window=adapter.sliding_window(i),
                        softcap=adapter.attention_softcap(i), cos=rope[i][0], sin=rope[i][1], key_keep=key_keep,
-                       documents=documents, chunk_size=config.chunk_size, autocast=autocast, router=router,
+                       documents=documents, chunk_size=rows, autocast=autocast, router=router,
                        router_stats=stats if router is not None else None)
         # the layer's own call runs the streamed layer, so engine hooks fire once per layer per step
         hidden = call_through(layer, partial(_streamed_layer, layer, run), hidden)

@@ -28,6 +28,7 @@ from torch import nn
 from .._patching import install, installed, uninstall
 from ..distributed import gathers_per_call, prepare_for_engines
 from ._calls import unroute
+from ._chunking import AUTO, chunk_rows
 from ._decoder import check_attention_mask, decoder_layers, rowwise, trainable
 from ._grads import AutocastState
 from ._head import HeadRun, IGNORE_INDEX, LogitTransform, cross_entropy, shift_labels, token_stats
@@ -49,7 +50,11 @@ class StreamWarning(UserWarning):
 class StreamConfig:
     """How a streamed model chunks its work.
 
-    chunk_size: rows of the sequence recomputed and backpropagated at once in a decoder layer.
+    chunk_size: rows of the sequence recomputed and backpropagated at once in a decoder layer, or
+        "auto": the largest chunk whose working set fits ``chunk_memory`` (see ``_chunking.py``;
+        the size chosen in the last streamed call is ``leanbp.chunk_size_used(model)``).
+    chunk_memory: bytes a chunk's working set may take with "auto" (default: what the saved layer
+        inputs take, and at least the working set of 1024 rows).
     head_chunk_size: labelled rows whose logits exist at once in the LM head.
     layers: stream the decoder layers (StreamBP). False keeps the model's own decoder (plain
         autograd, or its gradient checkpointing) and chunks only the LM head.
@@ -58,16 +63,20 @@ class StreamConfig:
         (no (T, V) logits at all, for evaluation at long T).
     """
 
-    chunk_size: int = 1024
+    chunk_size: int | str = 1024
     head_chunk_size: int = 256
     layers: bool = True
     eval_logits: bool = True
+    chunk_memory: int | None = None
 
     def __post_init__(self):
-        for name in ("chunk_size", "head_chunk_size"):
+        for name in ("chunk_size", "head_chunk_size", "chunk_memory"):
             value = getattr(self, name)
+            if (name == "chunk_size" and value == AUTO) or (name == "chunk_memory" and value is None):
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+                allowed = ' or "auto"' if name == "chunk_size" else ""
+                raise ValueError(f"{name} must be a positive int{allowed}, got {value!r}")
 
 
 @dataclass
@@ -75,6 +84,11 @@ class _StreamState:
     config: StreamConfig
     adapter: object
     warned: set = field(default_factory=set)
+    chunk_rows: int | None = None  # the chunk size of the last streamed call (reported for "auto")
+
+    def layer_chunk(self, hidden: torch.Tensor) -> int:
+        self.chunk_rows = chunk_rows(self.config.chunk_size, self.config.chunk_memory, self.adapter, hidden)
+        return self.chunk_rows
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:
@@ -107,8 +121,17 @@ def is_streamed(model: nn.Module) -> bool:
     return "_leanbp_stream" in vars(causal_lm_of(model))
 
 
-def stream(model: nn.Module, chunk_size: int = 1024, head_chunk_size: int = 256, layers: bool = True,
-           eval_logits: bool = True) -> nn.Module:
+def chunk_size_used(model: nn.Module) -> int | None:
+    """The decoder chunk size of the streamed model's last streamed call (what "auto" chose), None
+    before the first."""
+    lm = causal_lm_of(model)
+    if not is_streamed(lm):
+        raise ValueError("model is not streamed")
+    return lm._leanbp_stream.chunk_rows
+
+
+def stream(model: nn.Module, chunk_size: int | str = 1024, head_chunk_size: int = 256, layers: bool = True,
+           eval_logits: bool = True, chunk_memory: int | None = None) -> nn.Module:
     """Make the decoder of ``model`` run exact StreamBP whenever it builds a graph.
 
     ``model`` is a transformers causal LM, or a PEFT / DDP / accelerate wrapper of one, before or
@@ -118,7 +141,7 @@ def stream(model: nn.Module, chunk_size: int = 1024, head_chunk_size: int = 256,
     Returns ``model``. Undo with :func:`unstream`.
     """
     config = StreamConfig(chunk_size=chunk_size, head_chunk_size=head_chunk_size, layers=layers,
-                          eval_logits=eval_logits)
+                          eval_logits=eval_logits, chunk_memory=chunk_memory)
     lm = causal_lm_of(model)
     if is_streamed(lm):
         if installed(lm, "forward", _lm_forward):
@@ -262,8 +285,8 @@ def _backbone_forward(backbone: nn.Module, plain, *args, **kwargs):
     adapter = state.adapter
     _check_training_call(state, backbone, [adapter.embed_tokens(), *adapter.layers(), adapter.final_norm()])
     _warn_if_trl_head_outside(state, adapter.model)
-    hidden, _ = decoder_layers(adapter, state.config, **_data(arguments))
-    hidden = rowwise(adapter.final_norm(), hidden, state.config.chunk_size)
+    hidden, _ = decoder_layers(adapter, state.layer_chunk, **_data(arguments))
+    hidden = rowwise(adapter.final_norm(), hidden, state.chunk_rows)
     return BaseModelOutputWithPast(last_hidden_state=hidden)
 
 
@@ -337,11 +360,11 @@ def _hidden_for_head(lm: nn.Module, state: _StreamState, arguments: dict, router
         return out.last_hidden_state, nn.Identity(), False, None
     if _builds_graph(lm, arguments):
         _check_training_call(state, lm, [adapter.embed_tokens(), *adapter.layers(), *head_modules])
-    hidden, stats = decoder_layers(adapter, state.config, **_data(arguments), router_stats=router_stats)
+    hidden, stats = decoder_layers(adapter, state.layer_chunk, **_data(arguments), router_stats=router_stats)
     if gathers_per_call(adapter.final_norm()):
         # the head cannot apply the norm inside its own chunks without using the norm's parameters
         # outside the norm's calls: the norm gets its own (chunked) call; costs one (B, T, H) tensor
-        return rowwise(adapter.final_norm(), hidden, state.config.chunk_size), nn.Identity(), False, stats
+        return rowwise(adapter.final_norm(), hidden, state.chunk_rows), nn.Identity(), False, stats
     # the last layer's output is read by the head only: its buffer can hold the head's input gradient
     # (never the caller's inputs_embeds, which a model without layers would pass straight through)
     return hidden, adapter.final_norm(), len(adapter.layers()) > 0, stats
@@ -448,5 +471,5 @@ def _warn_if_trl_head_outside(state: _StreamState, lm: nn.Module) -> None:
         )
 
 
-__all__ = ["LogitTransform", "StreamConfig", "StreamWarning", "causal_lm_of", "is_streamed", "stream", "token_log_probs",
-           "unstream"]
+__all__ = ["LogitTransform", "StreamConfig", "StreamWarning", "causal_lm_of", "chunk_size_used", "is_streamed", "stream",
+           "token_log_probs", "unstream"]

@@ -157,6 +157,20 @@ class FamilyAdapter(ABC):
             return getattr(self.config, "sliding_window", None)
         return getattr(self.layers()[layer_idx].self_attn, "sliding_window", None)
 
+    def row_working_set(self) -> int:
+        """Elements one row of a recomputed chunk keeps alive in a layer's backward, an upper bound
+        (``chunk_size="auto"`` divides its budget by it): the norms' inputs and outputs, q/k/v before
+        and after RoPE, the attention output, the MLP's intermediates (``mlp_width`` wide) and the
+        residual sums, and as many gradients."""
+        c = self.config
+        heads, kv_heads = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        return 2 * (8 * c.hidden_size + 3 * (heads + kv_heads) * head_dim + 4 * self.mlp_width())
+
+    def mlp_width(self) -> int:
+        """Features of a row inside the MLP (the widest intermediate)."""
+        return self.config.intermediate_size
+
     def attention_softcap(self, layer_idx: int) -> float | None:
         """Attention logit soft-capping of a layer (scores -> cap * tanh(scores / cap))."""
         return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import transformers
 
+from ..engine import _softcap_attention as softcap_attention
 from ._base import DecoderAdapter
 
 
@@ -29,6 +30,14 @@ class Gemma2Adapter(DecoderAdapter):
 
     def attention_softcap(self, layer_idx):
         return getattr(self.config, "attn_logit_softcapping", None)
+
+    def row_working_set(self):
+        # soft-capped attention holds a row's scores against a block of keys for every head (scores,
+        # capped scores, probabilities and their gradients: about 6 copies)
+        extra = 0
+        if any(self.attention_softcap(i) for i in range(len(self.layers()))):
+            extra = 6 * self.config.num_attention_heads * softcap_attention.block_rows
+        return super().row_working_set() + extra
 
     def check(self):
         if getattr(self.config, "use_bidirectional_attention", False):

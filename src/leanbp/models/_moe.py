@@ -41,6 +41,14 @@ class _MoeAdapter(LlamaAdapter):
     def activation_owners(self):
         return [(layer.mlp.experts if _sparse(layer) else layer.mlp, "act_fn") for layer in self.layers()]
 
+    def mlp_width(self):
+        # a row goes to top_k experts (a copy of the row and the expert's intermediates each) and
+        # the router's E logits; the dense layers between may be wider
+        c = self.config
+        experts = getattr(c, "num_experts", None) or c.num_local_experts
+        per_expert = (getattr(c, "moe_intermediate_size", None) or c.intermediate_size) + c.hidden_size
+        return max(c.intermediate_size, c.num_experts_per_tok * per_expert + experts)
+
 
 # tiny test models: 4 experts, 2 per token, the load-balancing loss on with a large weight, and the
 # experts' eager loop (torch's grouped matmul has no float64 kernel)
