@@ -11,8 +11,8 @@ Phases:
 * forward: the layers' forward pass (leanbp: chunk by chunk without a graph; checkpointing: each
   layer under no_grad, inputs kept);
 * head: the LM head and loss (leanbp's chunked cross-entropy, which also computes its gradient;
-  checkpointing: only the head's forward matmul is timed as head, the rest falls in "linear
-  backward" and "other");
+  checkpointing: only the head's forward matmul is timed as head; the loss, the head's backward,
+  the embedding and the final norm fall in "linear backward", and its "other" is 0 by construction);
 * prefix K/V (leanbp): the K/V of all rows that later chunks attend to, once per layer in backward;
 * recompute: the chunk (leanbp) or the layer (checkpointing) run again with a graph in backward;
 * layer backward: autograd through the recomputed graph; split by op into attention backward (the
@@ -61,7 +61,7 @@ class Timers:
         setattr(owner, attr, timed)
 
 
-def _attention_backward_share(prof) -> float:
+def _attention_backward_seconds(prof) -> float:
     """Seconds of the flash kernel's backward in a profiled step."""
     return sum(e.self_cpu_time_total for e in prof.key_averages()
                if "flash_attention" in e.key and "backward" in e.key) / 1e6
@@ -100,7 +100,8 @@ def run_method(method: str, seq_len: int, out: Path) -> dict:
             with timers.phase("layer backward"):
                 return plain_grad(*args, **kwargs)
 
-        layer_mod.torch.autograd.grad = grad  # (this process only)
+        # (process-wide, this process only: the final norm's chunked backward counts here too)
+        layer_mod.torch.autograd.grad = grad
     else:  # (checkpointing re-runs the layer's own forward code, which calls its submodules again)
         for layer in model.model.layers:
             for child in layer.children():
@@ -121,7 +122,7 @@ def run_method(method: str, seq_len: int, out: Path) -> dict:
     # the flash backward's share of the step, from the profiled step (profiling slows every op
     # about alike, so the share carries over to the unprofiled one)
     profiled_total = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1e6
-    attention = _attention_backward_share(prof) / max(profiled_total, 1e-9) * total
+    attention = _attention_backward_seconds(prof) / max(profiled_total, 1e-9) * total
     if layer_bwd is not None:
         phases["attention backward"] = min(attention, layer_bwd)
         phases["linear backward"] = layer_bwd - phases["attention backward"]
@@ -165,10 +166,15 @@ def main() -> None:
     if args.one:
         print("PHASES " + json.dumps(run_method(args.one, args.seq_len, out)), flush=True)
         return
+    methods = args.methods.split(",")
+    if not set(methods) <= {"ckpt", "leanbp"}:
+        p.error(f"--methods: ckpt and/or leanbp, got {methods}")
     results = []
-    for method in args.methods.split(","):
+    for method in methods:
         proc = subprocess.run([sys.executable, __file__, "--one", method, "--seq-len", str(args.seq_len),
-                               "--out", str(out)], capture_output=True, text=True, check=True)
+                               "--out", str(out)], capture_output=True, text=True)
+        if proc.returncode:
+            sys.exit(f"{method} failed:\n{proc.stderr[-4000:]}")
         line = next(l for l in proc.stdout.splitlines() if l.startswith("PHASES "))
         results.append(json.loads(line[len("PHASES "):]))
         r = results[-1]

@@ -10,33 +10,40 @@ from _helpers import compare_step, make_batch
 
 import leanbp
 from leanbp import memory
-from leanbp.engine._chunking import DEFAULT_ROWS, ELEMENT_BYTES, chunk_rows
+from leanbp.engine._chunking import DEFAULT_ROWS, pick_chunk_rows, row_bytes
 from leanbp.models import adapter_for
 
 
-def _row_bytes(model, batch=1):
-    return batch * adapter_for(model).row_working_set() * ELEMENT_BYTES
+def _row_bytes(model, hidden, batch=1):
+    return batch * row_bytes(adapter_for(model), hidden)
 
 
 def test_auto_picks_the_largest_aligned_chunk_that_fits():
     model = tiny_model("qwen3", dtype=torch.float32)
-    adapter, row = adapter_for(model), _row_bytes(model)
-    hidden = torch.zeros(1, 5000, 64)
-    assert chunk_rows(300, None, adapter, hidden) == 300  # a fixed size stays
-    assert chunk_rows("auto", 200 * row + row - 1, adapter, hidden) == 192  # rounded down to 64 rows
-    assert chunk_rows("auto", 40 * row, adapter, hidden) == 40  # below 64 rows: as many as fit
-    assert chunk_rows("auto", 10 ** 15, adapter, hidden) == 5000  # at most T
-    assert chunk_rows("auto", 1, adapter, hidden) == 1
-    # default budget: the saved layer inputs, and never less than the fixed default's working set
-    assert chunk_rows("auto", None, adapter, hidden) == DEFAULT_ROWS
-    long = torch.zeros(1, 2_000_000, 64)
-    saved_inputs = 2 * 2_000_000 * 64 * 4
-    assert chunk_rows("auto", None, adapter, long) == saved_inputs // row // 64 * 64 > DEFAULT_ROWS
+    adapter = adapter_for(model)
+    hidden = torch.empty(1, 1, 1).expand(1, 5000, 64)  # (only its shape and dtype are read)
+    row = _row_bytes(model, hidden)
+    assert pick_chunk_rows(300, None, adapter, hidden) == 300  # a fixed size stays
+    assert pick_chunk_rows(9000, None, adapter, hidden) == 5000  # (at most T)
+    assert pick_chunk_rows("auto", 200 * row + row - 1, adapter, hidden) == 192  # rounded down to 64 rows
+    assert pick_chunk_rows("auto", 40 * row, adapter, hidden) == 40  # below 64 rows: as many as fit
+    assert pick_chunk_rows("auto", 10 ** 15, adapter, hidden) == 5000  # at most T
+    assert pick_chunk_rows("auto", 1, adapter, hidden) == 1
+    # default budget: one layer input, and never less than the fixed default's working set
+    assert pick_chunk_rows("auto", None, adapter, hidden) == DEFAULT_ROWS
+    long = torch.empty(1, 1, 1).expand(1, 20_000_000, 64)
+    layer_input = 20_000_000 * 64 * 4
+    assert pick_chunk_rows("auto", None, adapter, long) == layer_input // row // 64 * 64 > DEFAULT_ROWS
+    # float64 counts 8 bytes per element; off the CPU two-block path the (c x T) scores count too
+    assert row_bytes(adapter, hidden.double()) == 2 * row
+    assert row_bytes(adapter, torch.empty(1, 1, 1, device="meta").expand(1, 5000, 64)) == \
+        row + 2 * 4 * 5000 * 4
 
 
 def test_bad_chunk_settings_are_refused():
     model = tiny_model("qwen3")
-    for kwargs in (dict(chunk_size="big"), dict(chunk_size=0), dict(chunk_memory=0), dict(chunk_memory=1.5)):
+    for kwargs in (dict(chunk_size="big"), dict(chunk_size=0), dict(chunk_size="auto", chunk_memory=0),
+                   dict(chunk_size="auto", chunk_memory=1.5), dict(chunk_size=64, chunk_memory=10 ** 6)):
         with pytest.raises(ValueError, match="chunk_"):
             leanbp.stream(model, **kwargs)
 
@@ -50,23 +57,40 @@ def _activations(model, ids, **stream_kwargs):
     return mem.report.activations, leanbp.chunk_size_used(model)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe"])
-def test_auto_never_makes_the_chunk_exceed_its_budget(family):
-    """What the chunk adds to the step's activation peak (against 8-row chunks) stays within the
-    budget: the adapter's bytes per row are an upper bound of the real working set."""
-    T = 512
+@pytest.mark.parametrize("family,dtype,T", [("llama", torch.float32, 512), ("llama", torch.float64, 512),
+                                            ("gemma2", torch.float32, 1536), ("qwen3_moe", torch.float32, 512)])
+def test_auto_never_makes_the_chunk_exceed_its_budget(family, dtype, T):
+    """What 256-row chunks add to the step's activation peak over 8-row chunks stays within the
+    bound for those 248 rows: the adapter's bytes per row bound the real working set (Gemma2's
+    soft-capped attention at T > 1024, so its score blocks are full)."""
     ids = torch.randint(0, 101, (1, T), generator=torch.Generator().manual_seed(0))
-    smallest, _ = _activations(tiny_model(family, dtype=torch.float32), ids, chunk_size=8)
-    budget = 300 * _row_bytes(tiny_model(family))
-    used, rows = _activations(tiny_model(family, dtype=torch.float32), ids, chunk_size="auto", chunk_memory=budget)
+    smallest, _ = _activations(tiny_model(family, dtype=dtype), ids, chunk_size=8)
+    model = tiny_model(family, dtype=dtype)
+    row = _row_bytes(model, torch.empty(1, T, model.config.hidden_size, dtype=dtype))
+    used, rows = _activations(model, ids, chunk_size="auto", chunk_memory=256 * row + row - 1)
     assert rows == 256
-    assert 0 < used - smallest <= budget, (used - smallest, budget)
+    assert 0 < used - smallest <= (rows - 8) * row, (used - smallest, (rows - 8) * row)
 
 
 def test_auto_is_exact_and_reports_its_choice():
     model = tiny_model("qwen3", window=16)
     batch = make_batch()  # B=3, T=45
-    budget = 20 * _row_bytes(model, batch=3)
+    budget = 20 * _row_bytes(model, torch.empty(3, 45, 64, dtype=torch.float64), batch=3)
     loss_err, _, errs = compare_step(model, dict(chunk_size="auto", chunk_memory=budget), batch)
     assert leanbp.chunk_size_used(model) == 20
     assert loss_err <= 1e-12 and max(errs.values()) <= 1e-12
+
+
+def test_chunk_size_used_reports_streamed_calls_only():
+    model = tiny_model("qwen3")
+    with pytest.raises(ValueError, match="not streamed"):
+        leanbp.chunk_size_used(model)
+    leanbp.stream(model, chunk_size="auto")
+    assert leanbp.chunk_size_used(model) is None  # before the first call
+    ids, mask, _ = make_batch()
+    model.model(input_ids=ids, attention_mask=mask).last_hidden_state.sum().backward()  # a backbone call
+    assert leanbp.chunk_size_used(model) == 45  # min(1024, T)
+    head_only = tiny_model("qwen3")
+    leanbp.stream(head_only, layers=False)
+    head_only(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    assert leanbp.chunk_size_used(head_only) is None

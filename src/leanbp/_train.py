@@ -77,8 +77,10 @@ class TrainConfig:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "chunk_size", "head_chunk_size",
                      "save_every", "group_size", "completion_len", "keep"):
-            if not (name == "chunk_size" and self.chunk_size == "auto") and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1" + (' or "auto"' if name == "chunk_size" else ""))
+            if name == "chunk_size":
+                StreamConfig(chunk_size=self.chunk_size)  # a positive int or "auto", else ValueError
+            elif getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
         if self.lr <= 0:
             raise ValueError("lr must be > 0")
         if self.approx not in ("none", "act", "norm", "both"):

@@ -38,7 +38,7 @@ def _add_train(sub):
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp64"], default="fp32")
     p.add_argument("--chunk-size", type=_chunk_size, default="auto",
                    help='rows per chunk in a decoder layer, or "auto" (default): the largest chunk whose working set '
-                        "fits what the saved layer inputs take (at least 1024 rows; shown in the progress bar)")
+                        "fits the size of one layer input, at least min(1024, T) rows (shown in the progress bar)")
     p.add_argument("--head-chunk-size", type=int, default=StreamConfig.head_chunk_size,
                    help="labelled rows per chunk in the LM head + loss")
     p.add_argument("--no-stream", action="store_true", help="plain autograd (baseline)")

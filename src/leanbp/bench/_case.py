@@ -63,6 +63,7 @@ def build_case_model(spec: dict):
 
 def run_case(spec: dict) -> dict:
     from .. import memory
+    from ..engine import chunk_size_used, is_streamed
 
     device = torch.device(spec.get("device", "cpu"))
     T, B = spec["seq_len"], spec.get("batch", 1)
@@ -99,9 +100,7 @@ def run_case(spec: dict) -> dict:
         model.zero_grad(set_to_none=False)
     seconds = sorted(times)[len(times) // 2]
     r = mem.report
-    from ..engine import chunk_size_used, is_streamed
-
-    rows = chunk_size_used(model) if is_streamed(model) and spec["method"] != "head" else None
+    rows = chunk_size_used(model) if is_streamed(model) else None  # (None with layers=False)
     return {**spec, "loss": loss, "peak": r.peak, "params": r.params, "grads": r.grads,
             "activations": r.activations, "step_s": seconds, "chunk_rows": rows}
 

@@ -45,7 +45,7 @@ class BenchCase:
     batch: int = 1
     dtype: str = "fp32"
     device: str = "cpu"
-    chunk_size: int = StreamConfig.chunk_size
+    chunk_size: int | str = StreamConfig.chunk_size
     head_chunk_size: int = StreamConfig.head_chunk_size
     timed_steps: int = 3  # step time: the median of this many steps after the measured one
     timeout_s: int = 3600
@@ -188,7 +188,7 @@ class TrlBenchCase:
                                                                     "grpo": [2048, 8192]})
     methods: list[str] = field(default_factory=lambda: ["ckpt", "ckpt_head", "leanbp"])
     timed_steps: int = 3
-    chunk_size: int = StreamConfig.chunk_size
+    chunk_size: int | str = StreamConfig.chunk_size
     head_chunk_size: int = StreamConfig.head_chunk_size
     timeout_s: int = 7200
 
@@ -197,7 +197,7 @@ class TrlBenchCase:
         for objective, lengths in self.seq_lens.items():
             _check_list(f"seq_lens[{objective}]", lengths)
         _check_list("methods", self.methods, ("ckpt", "ckpt_head", "leanbp"))
-        _check_positive(self, "timed_steps", "chunk_size", "head_chunk_size")
+        _check_positive(self, "timed_steps", "head_chunk_size", *([] if self.chunk_size == "auto" else ["chunk_size"]))
 
 
 def run_trl_bench(case: TrlBenchCase, out_dir: str | Path, progress: bool = True) -> list[dict]:

@@ -253,8 +253,9 @@ class _TwoBlockAttention(torch.autograd.Function):
         return dq, dpk, dpv, dk, dv, None, None, None, None, None, None
 
 
-def _use_two_block(query: torch.Tensor) -> bool:
-    return query.device.type == "cpu" and os.environ.get("LEANBP_ATTENTION", "blocks") != "mask"
+def uses_two_block_attention(device: torch.device) -> bool:
+    """Chunk attention on ``device`` runs the two-block flash path (else one SDPA call with a mask)."""
+    return device.type == "cpu" and os.environ.get("LEANBP_ATTENTION", "blocks") != "mask"
 
 
 def chunk_attention(query, prefix_key, prefix_value, key, value, masks: ChunkMasks, scale: float,
@@ -270,7 +271,7 @@ def chunk_attention(query, prefix_key, prefix_value, key, value, masks: ChunkMas
         from ._softcap_attention import softcap_chunk_attention  # imports this module
 
         return softcap_chunk_attention(query, prefix_key, prefix_value, key, value, masks, scale, softcap, sink)
-    if not _use_two_block(query):
+    if not uses_two_block_attention(query.device):
         return _single_call(query, prefix_key, prefix_value, key, value, masks, scale)
     if torch.is_autocast_enabled(query.device.type) and query.dtype != torch.float64:
         # what SDPA does under autocast: attention runs in the autocast dtype (float64 is never cast)

@@ -36,11 +36,11 @@ def check_attention_mask(attention_mask, batch: int, length: int) -> None:
         )
 
 
-def decoder_layers(adapter, chunk_size, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None,
+def decoder_layers(adapter, chunk_rows_for, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None,
                    router_stats: bool = False):
     """(B, T, H) output of the last decoder layer (before the final norm), streamed, and the
     ``RouterStats`` of its mixture-of-experts layers when ``router_stats`` (else None).
-    ``chunk_size(hidden)`` gives the rows per chunk for the embedded input (B, T, H).
+    ``chunk_rows_for(hidden)`` gives the rows per chunk for the embedded input (B, T, H).
 
     Packed rows: with ``position_ids`` that restart inside a row and no ``attention_mask``, every
     document attends only to itself (transformers' rule); with an attention mask the position ids
@@ -66,7 +66,7 @@ def decoder_layers(adapter, chunk_size, input_ids=None, inputs_embeds=None, atte
         key_keep = attention_mask.to(device=hidden.device, dtype=torch.bool)
     stats = RouterStats(key_keep, B, T) if router_stats else None
     autocast = AutocastState(hidden.device.type)
-    rows = chunk_size(hidden)
+    rows = chunk_rows_for(hidden)
     check_layers(adapter.layers())
     for i, layer in enumerate(adapter.layers()):
         router = adapter.router(layer) if stats is not None else None

@@ -28,7 +28,7 @@ from torch import nn
 from .._patching import install, installed, uninstall
 from ..distributed import gathers_per_call, prepare_for_engines
 from ._calls import unroute
-from ._chunking import AUTO, chunk_rows
+from ._chunking import AUTO, pick_chunk_rows
 from ._decoder import check_attention_mask, decoder_layers, rowwise, trainable
 from ._grads import AutocastState
 from ._head import HeadRun, IGNORE_INDEX, LogitTransform, cross_entropy, shift_labels, token_stats
@@ -53,8 +53,8 @@ class StreamConfig:
     chunk_size: rows of the sequence recomputed and backpropagated at once in a decoder layer, or
         "auto": the largest chunk whose working set fits ``chunk_memory`` (see ``_chunking.py``;
         the size chosen in the last streamed call is ``leanbp.chunk_size_used(model)``).
-    chunk_memory: bytes a chunk's working set may take with "auto" (default: what the saved layer
-        inputs take, and at least the working set of 1024 rows).
+    chunk_memory: bytes a chunk's working set may take with "auto" (default: the size of one layer
+        input, and at least the working set of min(1024, T) rows).
     head_chunk_size: labelled rows whose logits exist at once in the LM head.
     layers: stream the decoder layers (StreamBP). False keeps the model's own decoder (plain
         autograd, or its gradient checkpointing) and chunks only the LM head.
@@ -77,6 +77,8 @@ class StreamConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 allowed = ' or "auto"' if name == "chunk_size" else ""
                 raise ValueError(f"{name} must be a positive int{allowed}, got {value!r}")
+        if self.chunk_memory is not None and self.chunk_size != AUTO:
+            raise ValueError('chunk_memory is the budget of chunk_size="auto"; a fixed chunk_size ignores it')
 
 
 @dataclass
@@ -87,7 +89,8 @@ class _StreamState:
     chunk_rows: int | None = None  # the chunk size of the last streamed call (reported for "auto")
 
     def layer_chunk(self, hidden: torch.Tensor) -> int:
-        self.chunk_rows = chunk_rows(self.config.chunk_size, self.config.chunk_memory, self.adapter, hidden)
+        """The rows per chunk for this call's embedded input (B, T, H); remembered for reporting."""
+        self.chunk_rows = pick_chunk_rows(self.config.chunk_size, self.config.chunk_memory, self.adapter, hidden)
         return self.chunk_rows
 
     def warn_once(self, key: str, message: str) -> None:
@@ -122,8 +125,9 @@ def is_streamed(model: nn.Module) -> bool:
 
 
 def chunk_size_used(model: nn.Module) -> int | None:
-    """The decoder chunk size of the streamed model's last streamed call (what "auto" chose), None
-    before the first."""
+    """The rows per chunk of the streamed model's last call that streamed its layers (what "auto"
+    chose; calls without gradients count too): None before the first, and always with
+    ``layers=False``; a call that ran the model's own forward leaves it as it was."""
     lm = causal_lm_of(model)
     if not is_streamed(lm):
         raise ValueError("model is not streamed")

@@ -20,8 +20,8 @@ from ..engine import StreamConfig, stream
 from ..engine._stream import causal_lm_of
 
 
-def stream_trainer(trainer, chunk_size: int = StreamConfig.chunk_size,
-                   head_chunk_size: int = StreamConfig.head_chunk_size):
+def stream_trainer(trainer, chunk_size: int | str = StreamConfig.chunk_size,
+                   head_chunk_size: int = StreamConfig.head_chunk_size, chunk_memory: int | None = None):
     """Stream ``trainer.model`` and ``trainer.ref_model`` (when the trainer has a separate one), and
     switch the trainer's activation checkpointing off. Returns the trainer."""
     for name in ("activation_checkpointing", "gradient_checkpointing"):  # transformers 5 keeps both fields
@@ -33,7 +33,7 @@ def stream_trainer(trainer, chunk_size: int = StreamConfig.chunk_size,
         lm = causal_lm_of(model)
         if getattr(lm, "is_activation_checkpointing", False):  # enabled while the trainer was built
             lm.activation_checkpointing_disable()
-        stream(model, chunk_size=chunk_size, head_chunk_size=head_chunk_size)
+        stream(model, chunk_size=chunk_size, head_chunk_size=head_chunk_size, chunk_memory=chunk_memory)
     return trainer
 
 
