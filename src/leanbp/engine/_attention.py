@@ -139,14 +139,18 @@ class ChunkMasks:
                             device=own.device).tril()
         return own & causal
 
-    def full(self):
-        """(B|1, 1, c, e - key_begin) bool for the single-call fallback."""
-        allowed = self._allowed(self.key_begin, self.end, per_row=True)
+    def block(self, k0: int, k1: int) -> torch.Tensor:
+        """(B|1, 1, c, k1-k0) bool: may the chunk's query rows attend key rows [k0, k1) (causal,
+        window, padding, documents)."""
+        allowed = self._allowed(k0, k1, per_row=True)
         if self.documents is not None:
             ids = self.documents.doc_id
-            same = ids[:, None, self.start:self.end, None] == ids[:, None, None, self.key_begin:self.end]
-            allowed = same if allowed is None else allowed & same  # (B, 1, c, kv)
+            allowed = allowed & (ids[:, None, self.start:self.end, None] == ids[:, None, None, k0:k1])  # (B, 1, c, kv)
         return allowed
+
+    def full(self):
+        """(B|1, 1, c, e - key_begin) bool for the single-call fallback."""
+        return self.block(self.key_begin, self.end)
 
 
 class _RowSubset:

@@ -39,21 +39,6 @@ def _key_blocks(masks: ChunkMasks, prefix_rows: int):
             yield part, b0, min(b0 + block_rows, n), first + b0
 
 
-def _block_mask(masks: ChunkMasks, k0: int, k1: int) -> torch.Tensor:
-    """(B|1, 1, 1, c, k1-k0) bool: query row q may attend key row k (True)."""
-    q = torch.arange(masks.start, masks.end, device=masks.device)[:, None]  # (c, 1)
-    k = torch.arange(k0, k1, device=masks.device)[None, :]  # (1, n)
-    allowed = (k <= q)[None]  # (1, c, n)
-    if masks.window is not None:
-        allowed = allowed & (k > q - masks.window)
-    if masks.key_keep is not None:
-        allowed = allowed & masks.key_keep[:, None, k0:k1]  # (B, c, n)
-    if masks.documents is not None:
-        ids = masks.documents.doc_id  # (B, T)
-        allowed = allowed & (ids[:, masks.start:masks.end, None] == ids[:, None, k0:k1])
-    return allowed[:, None, None]
-
-
 def _scores(q, k, mask, scale: float, softcap: float, groups: int):
     """q (B, Hkv, G*c, D), k (B, Hkv, n, D) -> (t, s), both (B, Hkv, G*c, n): the tanh and the capped,
     masked scores."""
@@ -79,7 +64,8 @@ class _SoftcapAttention(torch.autograd.Function):
             # Memory: only these three and one block's (B, Hkv, G*c, n) scores exist at a time
             for part, b0, b1, k0 in _key_blocks(masks, prefix_rows):
                 k_b, v_b = (x[:, :, b0:b1].to(acc) for x in parts[part])  # (B, Hkv, n, D)
-                _, s = _scores(q, k_b, _block_mask(masks, k0, k0 + b1 - b0), scale, softcap, G)
+                mask = masks.block(k0, k0 + b1 - b0)[:, :, None]  # (B|1, 1, 1, c, n): over Hkv and G
+                _, s = _scores(q, k_b, mask, scale, softcap, G)
                 m_new = torch.maximum(m, s.amax(-1))  # stays -inf until the row sees a key
                 shift = m_new.masked_fill(m_new == float("-inf"), 0.0)  # finite: exp(-inf - shift) = 0
                 e = torch.exp(s - shift[..., None])  # (B, Hkv, G*c, n)
@@ -117,7 +103,7 @@ class _SoftcapAttention(torch.autograd.Function):
             dq = torch.zeros_like(q)
             for part, b0, b1, k0 in _key_blocks(masks, prefix_rows):
                 k_b, v_b = (x[:, :, b0:b1].to(acc) for x in parts[part])  # (B, Hkv, n, D)
-                t, s = _scores(q, k_b, _block_mask(masks, k0, k0 + b1 - b0), ctx.scale, ctx.softcap, G)
+                t, s = _scores(q, k_b, masks.block(k0, k0 + b1 - b0)[:, :, None], ctx.scale, ctx.softcap, G)
                 p = torch.exp(s - lse[..., None])  # (B, Hkv, G*c, n), 0 where masked
                 del s
                 dv_b = p.transpose(-1, -2) @ do  # (B, Hkv, n, G*c) @ (B, Hkv, G*c, D): sums the G heads
