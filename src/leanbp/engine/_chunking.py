@@ -17,7 +17,7 @@ the activation memory stays linear in T.
 The bytes per row are the family adapter's upper bound (``FamilyAdapter.row_working_set``),
 counted at least at 4 bytes per element (norms, softmax and accumulations upcast to fp32). Off the
 CPU two-block attention path, chunk attention is a single SDPA call with a (c x kv) mask, which may
-build the (B, Hq, c, kv) scores: they are counted too (``attention_rows``).
+build the (B, Hq, c, kv) scores: they are counted too (``row_bytes``).
 ``tests/test_chunking.py`` checks the bound against measured working sets.
 """
 

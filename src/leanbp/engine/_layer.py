@@ -78,9 +78,8 @@ class StreamedLayerFunction(torch.autograd.Function):
                 kb = run.key_begin(s)
                 prefix = (key_buf[:, :, kb:s], value_buf[:, :, kb:s]) if s > kb else (None, None)
                 out[:, s:e], key_c, value_c, logits = run.chunk_out(hidden[:, s:e], *prefix, s, e)
-                if run.router_stats is not None:
-                    run.router_stats.add_chunk_counts(run.router, logits, s, e)
-                    chunk_sum = run.router_stats.chunk_prob_sum(logits, s, e)
+                if run.router_stats is not None:  # routings counted and probabilities summed
+                    chunk_sum = run.router_stats.chunk_prob_sum(logits, s, e, run.router)
                     prob_sum = chunk_sum if prob_sum is None else prob_sum + chunk_sum
                     del logits  # Memory: one chunk's router logits at a time
                 if key_buf is None:

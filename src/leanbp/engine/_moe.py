@@ -27,7 +27,6 @@ class RouterStats:
         self.key_keep = key_keep  # (B, T) bool or None: padded tokens do not count (as in transformers)
         # tokens each layer counts (a tensor: no host sync)
         self.tokens = key_keep.sum() if key_keep is not None else torch.tensor(batch * length)
-        self.num_experts: int | None = None
         self.counts: torch.Tensor | None = None  # (E,) routings per expert, all layers
         self.prob_sums: list[torch.Tensor] = []  # (E,) per layer, outputs of the layer Functions
 
@@ -37,25 +36,26 @@ class RouterStats:
             return None
         return self.key_keep[:, start:end].reshape(rows, 1)
 
-    def chunk_prob_sum(self, logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    def chunk_prob_sum(self, logits: torch.Tensor, start: int, end: int, router=None) -> torch.Tensor:
         """(E,) sum of the router probabilities of rows [start, end) (logits (B*c, E)), with graph
-        when grad is enabled; accumulated in at least fp32, as transformers does."""
-        probs = torch.softmax(logits, dim=-1).to(torch.promote_types(logits.dtype, torch.float32))
+        when grad is enabled; accumulated in at least fp32, as transformers does. With the
+        ``router`` (forward), the rows' top-k routings are counted too, from the same probabilities."""
+        probs = torch.softmax(logits, dim=-1)  # (B*c, E)
         weights = self._weights(start, end, logits.shape[0])
+        if router is not None:
+            self._count(router, probs, weights)
+        probs = probs.to(torch.promote_types(logits.dtype, torch.float32))
         return (probs if weights is None else probs * weights).sum(0)
 
-    def add_chunk_counts(self, router, logits: torch.Tensor, start: int, end: int) -> None:
+    def _count(self, router, probs: torch.Tensor, weights: torch.Tensor | None) -> None:
         with torch.no_grad():
-            probs = torch.softmax(logits, dim=-1)
             chosen = torch.topk(probs, router.top_k, dim=-1).indices  # (B*c, k)
-            weights = self._weights(start, end, logits.shape[0])
             ones = torch.ones(chosen.shape, dtype=torch.float32, device=chosen.device)
             if weights is not None:
                 ones = ones * weights
             counts = torch.zeros(router.num_experts, dtype=torch.float32, device=chosen.device)
             counts.scatter_add_(0, chosen.reshape(-1), ones.reshape(-1))
             self.counts = counts if self.counts is None else self.counts + counts
-            self.num_experts = router.num_experts
 
     def loss(self) -> torch.Tensor | None:
         """transformers' auxiliary loss, differentiable through every layer's probability sum."""
@@ -64,4 +64,4 @@ class RouterStats:
         prob_sum = torch.stack(self.prob_sums).sum(0)  # (E,)
         rows = self.tokens.to(prob_sum) * len(self.prob_sums)
         fraction = self.counts.to(prob_sum.dtype) / rows
-        return (fraction * (prob_sum / rows)).sum() * self.num_experts
+        return (fraction * (prob_sum / rows)).sum() * self.counts.numel()  # (E experts)
