@@ -1,4 +1,4 @@
-"""The `leanbp` command: train | bench | verify."""
+"""The `leanbp` command: train | bench | plan | verify."""
 
 from __future__ import annotations
 
@@ -93,6 +93,52 @@ def _add_bench(sub):
                         "beside the fixed size")
     p.add_argument("--head-chunk-size", type=int, default=StreamConfig.head_chunk_size)
     p.add_argument("--out", default="bench_out", help="folder for bench.csv / bench.json / bench.png")
+
+
+def _add_plan(sub):
+    from .memory._planner import METHODS, PRESETS
+
+    p = sub.add_parser("plan", help="peak device memory per method and the longest sequence that fits, without the GPU",
+                       description="Runs the real training step (transformers, its gradient checkpointing, leanbp, "
+                                   "leanbp with host offload) on fake tensors and reports the peak device memory at "
+                                   "each T (weights, gradients, optimizer state, activations) and the longest T that "
+                                   "fits the memory. Writes plan.md, plan.csv, plan.json and plan.png to --out.")
+    p.add_argument("--model", default="qwen3-8b",
+                   help=f"a preset ({', '.join(PRESETS)}), a model directory or a config.json (default qwen3-8b)")
+    p.add_argument("--memory", default="80GiB", help="the device's memory, e.g. 80GiB, 141GB (default 80GiB)")
+    p.add_argument("--reserve", default="0GiB",
+                   help="memory held back for what the plan does not model: CUDA context, kernel workspaces, "
+                        "allocator fragmentation (default 0)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="parameters and gradients")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq-lens", help="comma-separated T to report (default 4096,16384,65536,131072,262144,1048576)")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
+    p.add_argument("--mode", choices=["backprop", "step", "both"], default="both",
+                   help="backprop: weights + gradients + activations (the StreamBP paper's setting); step: also "
+                        "AdamW's two fp32 moments per parameter; both (default)")
+    p.add_argument("--chunk-size", type=int, default=StreamConfig.chunk_size, help="leanbp's rows per chunk")
+    p.add_argument("--head-chunk-size", type=int, default=StreamConfig.head_chunk_size)
+    p.add_argument("--free-outputs", action="store_true",
+                   help="the loop drops the model's outputs (logits) before backward, as transformers' Trainer does "
+                        "(default: held through backward, as in outputs = model(**batch); outputs.loss.backward())")
+    p.add_argument("--out", default="plan_out", help="folder for plan.md / plan.csv / plan.json / plan.png")
+
+
+def _plan(args) -> int:
+    from .memory._plan_report import DEFAULT_SEQ_LENS, PlanRequest, format_plan, run_plan, write_plan
+    from .memory._planner import load_config, parse_bytes
+
+    request = PlanRequest(model=args.model, memory=parse_bytes(args.memory), reserve=parse_bytes(args.reserve),
+                          dtype=args.dtype, batch=args.batch,
+                          seq_lens=_ints(args.seq_lens, "--seq-lens") if args.seq_lens else list(DEFAULT_SEQ_LENS),
+                          methods=[m.strip() for m in args.methods.split(",") if m.strip()],
+                          modes=["backprop", "step"] if args.mode == "both" else [args.mode],
+                          chunk_size=args.chunk_size, head_chunk_size=args.head_chunk_size,
+                          hold_outputs=not args.free_outputs)
+    result = run_plan(request, load_config(args.model))
+    print(format_plan(result))
+    print(f"\nwritten to {write_plan(result, args.out)}/ (plan.md, plan.csv, plan.json, plan.png)")
+    return 0
 
 
 def _add_verify(sub):
@@ -246,12 +292,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_bench(sub)
+    _add_plan(sub)
     _add_verify(sub)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.argv = argv
     try:
-        return {"train": _train, "bench": _bench, "verify": _verify}[args.command](args)
+        return {"train": _train, "bench": _bench, "plan": _plan, "verify": _verify}[args.command](args)
     except (ValueError, NotImplementedError, FileNotFoundError, ImportError) as e:
         print(f"leanbp {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ._values import has_values
+
 
 def key_start(start: int, window: int | None) -> int:
     """First key visible to query row ``start`` (transformers: key kv visible iff kv > q - window)."""
@@ -56,8 +58,8 @@ class Documents:
 
     @staticmethod
     def from_position_ids(position_ids: torch.Tensor | None, batch: int) -> "Documents | None":
-        """None unless some row holds more than one document."""
-        if position_ids is None or position_ids.shape[-1] < 2:
+        """None unless some row holds more than one document (fake ids, in a planned step: one per row)."""
+        if position_ids is None or position_ids.shape[-1] < 2 or not has_values(position_ids):
             return None
         docs = Documents(position_ids, batch)
         return docs if any(len(s) > 1 for s in docs.starts) else None

@@ -14,11 +14,14 @@ import torch
 from torch import nn
 
 from ..distributed import check_layers
+from ..memory import in_phase
 from ._attention import Documents
 from ._calls import call_through
 from ._grads import AutocastState, GradSum
 from ._layer import LayerRun, StreamedLayerFunction
 from ._moe import RouterStats
+from ._offload import HostStore
+from ._values import pads_anything
 
 
 def trainable(module: nn.Module) -> list[torch.Tensor]:
@@ -37,10 +40,11 @@ def check_attention_mask(attention_mask, batch: int, length: int) -> None:
 
 
 def decoder_layers(adapter, chunk_rows_for, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None,
-                   router_stats: bool = False):
+                   router_stats: bool = False, offload: bool = False):
     """(B, T, H) output of the last decoder layer (before the final norm), streamed, and the
     ``RouterStats`` of its mixture-of-experts layers when ``router_stats`` (else None).
-    ``chunk_rows_for(hidden)`` gives the rows per chunk for the embedded input (B, T, H).
+    ``chunk_rows_for(hidden)`` gives the rows per chunk for the embedded input (B, T, H);
+    ``offload`` keeps each layer's input in host memory until its backward (``_offload.py``).
 
     Packed rows: with ``position_ids`` that restart inside a row and no ``attention_mask``, every
     document attends only to itself (transformers' rule); with an attention mask the position ids
@@ -52,28 +56,34 @@ def decoder_layers(adapter, chunk_rows_for, input_ids=None, inputs_embeds=None, 
         raise ValueError(f"input_ids must be (batch, seq) and inputs_embeds (batch, seq, hidden); got {tuple(hidden.shape)}")
     B, T = hidden.shape[:2]
     check_attention_mask(attention_mask, B, T)
+    documents = None  # packed rows: read from position_ids passed without a mask
     if position_ids is None:
-        position_ids = torch.arange(T, device=hidden.device).unsqueeze(0)  # (1, T)
-    elif position_ids.dim() == 1:
-        position_ids = position_ids.unsqueeze(0)
-    if position_ids.shape[-1] != T or position_ids.shape[0] not in (1, B):
-        raise ValueError(f"position_ids must have shape (batch or 1, seq) = ({B}, {T}), got {tuple(position_ids.shape)}")
-    position_ids = position_ids.to(hidden.device)
-    documents = Documents.from_position_ids(position_ids, B) if attention_mask is None else None
+        position_ids = torch.arange(T, device=hidden.device).unsqueeze(0)  # (1, T): one document per row
+    else:
+        if position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0)
+        if position_ids.shape[-1] != T or position_ids.shape[0] not in (1, B):
+            raise ValueError(
+                f"position_ids must have shape (batch or 1, seq) = ({B}, {T}), got {tuple(position_ids.shape)}")
+        position_ids = position_ids.to(hidden.device)
+        if attention_mask is None:
+            documents = Documents.from_position_ids(position_ids, B)
     rope = adapter.position_embeddings(hidden, position_ids)  # per layer (cos, sin), (1 or B, T, R) each
     key_keep = None
-    if attention_mask is not None and not bool(attention_mask.all()):
+    if pads_anything(attention_mask):
         key_keep = attention_mask.to(device=hidden.device, dtype=torch.bool)
     stats = RouterStats(key_keep, B, T) if router_stats else None
     autocast = AutocastState(hidden.device.type)
     rows = chunk_rows_for(hidden)
     check_layers(adapter.layers())
+    # (without a graph nothing is kept for backward: nothing to offload)
+    store = HostStore(hidden.device) if offload and torch.is_grad_enabled() else None
     for i, layer in enumerate(adapter.layers()):
         router = adapter.router(layer) if stats is not None else None
         run = LayerRun(adapter=adapter, layer=layer, window=adapter.sliding_window(i),
                        softcap=adapter.attention_softcap(i), cos=rope[i][0], sin=rope[i][1], key_keep=key_keep,
                        documents=documents, chunk_size=rows, autocast=autocast, router=router,
-                       router_stats=stats if router is not None else None)
+                       router_stats=stats if router is not None else None, offload=store)
         # the layer's own call runs the streamed layer, so engine hooks fire once per layer per step
         hidden = call_through(layer, partial(_streamed_layer, layer, run), hidden)
     return hidden, stats
@@ -96,6 +106,7 @@ class RowwiseFunction(torch.autograd.Function):
     backward. Parameter gradients are summed over chunks and returned once."""
 
     @staticmethod
+    @in_phase("final norm")
     def forward(ctx, hidden: torch.Tensor, module: nn.Module, chunk_size: int, autocast: AutocastState, *params):
         with torch.no_grad(), autocast():
             # .forward: the chunks run inside one call of the module (``rowwise``), whose hooks (an
@@ -107,6 +118,7 @@ class RowwiseFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @in_phase("final norm")
     def backward(ctx, grad_out: torch.Tensor):
         hidden, *params = ctx.saved_tensors
         need_input = ctx.needs_input_grad[0]

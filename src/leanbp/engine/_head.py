@@ -27,8 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..memory import in_phase
 from ._calls import call_through
 from ._grads import AutocastState, GradSum, accumulation_dtype
+from ._values import labelled_rows
 
 IGNORE_INDEX = -100
 STATS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -96,7 +98,7 @@ class HeadRun:
 
     def labelled_rows(self) -> torch.Tensor:
         """Flat indices (into B*T) of the rows that carry a label."""
-        return torch.nonzero(self.targets.reshape(-1) != IGNORE_INDEX).squeeze(1)
+        return labelled_rows(self.targets, IGNORE_INDEX)
 
     def head_params(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return (self.lm_head.weight, self.lm_head.bias) if self.fused else (None, None)
@@ -231,6 +233,7 @@ class ChunkedCrossEntropyFunction(torch.autograd.Function):
     ``denominator`` (a scalar)."""
 
     @staticmethod
+    @in_phase("head")
     def forward(ctx, hidden: torch.Tensor, run: HeadRun, denominator, grad_enabled: bool, *params):
         r = _Rows(ctx, hidden, run, params, first_param=4)
         want_grad = grad_enabled and (r.need_input or bool(r.trainable))
@@ -257,6 +260,7 @@ class ChunkedCrossEntropyFunction(torch.autograd.Function):
                 if r.need_input:
                     dflat.index_copy_(0, idx, g.pop(0))  # each row is in exactly one chunk
                 grads.add(g)
+                del dz  # (the z buffer: gone before the next chunk's logits exist)
             del chunk, z
         r.finish(grads, head_grads)
         loss = total / denominator  # no labelled row and no count: 0 / 0 = nan, as in transformers
@@ -269,6 +273,7 @@ class ChunkedCrossEntropyFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @in_phase("head")
     def backward(ctx, grad_loss: torch.Tensor):
         _backward_once(ctx, "chunked loss")
         if ctx.param_grads is None:
@@ -292,6 +297,7 @@ class ChunkedTokenStatsFunction(torch.autograd.Function):
     gradient). Every stat is 0 (False) where the target is IGNORE_INDEX."""
 
     @staticmethod
+    @in_phase("head")
     def forward(ctx, hidden: torch.Tensor, run: HeadRun, stats: tuple[str, ...], *params):
         ctx.set_materialize_grads(False)
         r = _Rows(ctx, hidden, run, params, first_param=3)
@@ -330,6 +336,7 @@ class ChunkedTokenStatsFunction(torch.autograd.Function):
         return tuple(out[name].view(B, T) if name in out else None for name in STATS)
 
     @staticmethod
+    @in_phase("head")
     def backward(ctx, grad_log_probs, grad_entropy, *_):
         _backward_once(ctx, "per-token log-prob head")
         hidden, lse_all, entropy, *params = ctx.saved_tensors

@@ -24,9 +24,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..memory import in_phase
 from ._attention import ChunkMasks, Documents, PrefixGradSink, key_start
 from ._grads import AutocastState, GradSum
 from ._moe import RouterStats
+from ._offload import HostStore, backward_ranges
 
 
 @dataclass
@@ -45,6 +47,7 @@ class LayerRun:
     autocast: AutocastState
     router: object = None  # models.Router of a mixture-of-experts layer whose statistics are asked for
     router_stats: RouterStats | None = None
+    offload: HostStore | None = None  # where the layer input waits for backward (None: on the device)
 
     def chunks(self, length: int) -> list[tuple[int, int]]:
         return [(s, min(s + self.chunk_size, length)) for s in range(0, length, self.chunk_size)]
@@ -69,6 +72,7 @@ class LayerRun:
 
 class StreamedLayerFunction(torch.autograd.Function):
     @staticmethod
+    @in_phase("layer forward")
     def forward(ctx, hidden: torch.Tensor, run: LayerRun, *params: torch.Tensor):
         out = torch.empty_like(hidden)
         key_buf = value_buf = None  # (B, Hkv, T, D), filled chunk by chunk
@@ -86,31 +90,51 @@ class StreamedLayerFunction(torch.autograd.Function):
                     key_buf = key_c.new_empty((*key_c.shape[:2], hidden.shape[1], key_c.shape[3]))
                     value_buf = value_c.new_empty((*value_c.shape[:2], hidden.shape[1], value_c.shape[3]))
                 key_buf[:, :, s:e], value_buf[:, :, s:e] = key_c, value_c
-        # Memory: the layer input is the only activation kept until backward.
-        ctx.save_for_backward(hidden, *params)
+        # Memory: the layer input is the only activation kept until backward (in host memory with
+        # offload: the device copy dies when the caller drops it).
+        if run.offload is not None:
+            ctx.slot = run.offload.put(hidden, backward_ranges(run.chunks(hidden.shape[1])))
+            ctx.save_for_backward(*params)
+        else:
+            ctx.save_for_backward(hidden, *params)
         ctx.run = run
         return out if prob_sum is None else (out, prob_sum)
 
     @staticmethod
+    @in_phase("layer backward")
     def backward(ctx, grad_out: torch.Tensor, grad_prob_sum: torch.Tensor | None = None):
-        hidden, *params = ctx.saved_tensors
         run: LayerRun = ctx.run
+        if run.offload is not None:
+            params, hidden = list(ctx.saved_tensors), None
+            T = grad_out.shape[1]
+
+            def rows(s, e):  # (B, e - s, H), copied back from the host in backward_ranges order
+                return run.offload.rows(ctx.slot, s, e)
+        else:
+            hidden, *params = ctx.saved_tensors
+            T = hidden.shape[1]
+
+            def rows(s, e):
+                return hidden[:, s:e]
         need_input = ctx.needs_input_grad[0]
         trainable = [p for p, need in zip(params, ctx.needs_input_grad[2:]) if need]
         grads = GradSum(trainable)
-        T = hidden.shape[1]
         chunks = run.chunks(T)
         grad_out = grad_out.contiguous()
 
-        # Prefix K/V for every chunk, computed once without a graph (the last chunk's own rows are
-        # never a prefix, so they are skipped).
+        # Prefix K/V for every chunk, computed once without a graph, chunk by chunk (the last chunk's
+        # own rows are never a prefix, so they are skipped). Memory: only one chunk's projection
+        # temporaries exist at a time; the (B, Hkv, P, D) buffers are what the chunks attend to.
         prefix_rows = chunks[-1][0]
         key = value = None
-        if prefix_rows:
+        for s, e in chunks[:-1]:
             with torch.no_grad(), run.autocast():
-                key, value = run.adapter.key_value(
-                    run.layer, hidden[:, :prefix_rows], run.cos[:, :prefix_rows], run.sin[:, :prefix_rows]
-                )
+                key_b, value_b = run.adapter.key_value(run.layer, rows(s, e), run.cos[:, s:e], run.sin[:, s:e])
+            if key is None:
+                key = key_b.new_empty((*key_b.shape[:2], prefix_rows, key_b.shape[3]))
+                value = value_b.new_empty((*value_b.shape[:2], prefix_rows, value_b.shape[3]))
+            key[:, :, s:e], value[:, :, s:e] = key_b, value_b
+            del key_b, value_b
         # dL/dK, dL/dV that chunks send to the rows before them
         sink = PrefixGradSink(key, value) if key is not None else None
         # Memory: dL/dH_in[s:e] overwrites dL/dH_out[s:e], which chunk [s, e) was the last to read.
@@ -119,7 +143,7 @@ class StreamedLayerFunction(torch.autograd.Function):
 
         for s, e in reversed(chunks):
             kb = run.key_begin(s)
-            hidden_c = hidden[:, s:e].detach().requires_grad_(need_input)
+            hidden_c = rows(s, e).detach().requires_grad_(need_input)
             prefix_key = prefix_value = None
             if s > kb:
                 # leaves of the visible prefix rows; their gradients go into the sink (or come back

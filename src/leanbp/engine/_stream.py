@@ -61,6 +61,8 @@ class StreamConfig:
     eval_logits: a ``labels`` call without gradients in eval mode (``Trainer.evaluate``/``predict``)
         also returns the full logits, as transformers does; False keeps such calls loss-only
         (no (T, V) logits at all, for evaluation at long T).
+    offload: keep each decoder layer's input in host memory between its forward and its backward
+        (``_offload.py``); the gradients are the same, bit for bit.
     """
 
     chunk_size: int | str = 1024
@@ -68,6 +70,7 @@ class StreamConfig:
     layers: bool = True
     eval_logits: bool = True
     chunk_memory: int | None = None
+    offload: bool = False
 
     def __post_init__(self):
         for name in ("chunk_size", "head_chunk_size", "chunk_memory"):
@@ -79,6 +82,8 @@ class StreamConfig:
                 raise ValueError(f"{name} must be a positive int{allowed}, got {value!r}")
         if self.chunk_memory is not None and self.chunk_size != AUTO:
             raise ValueError('chunk_memory is the budget of chunk_size="auto"; a fixed chunk_size ignores it')
+        if self.offload and not self.layers:
+            raise ValueError("offload moves the streamed layers' inputs to the host; it needs layers=True")
 
 
 @dataclass
@@ -135,17 +140,18 @@ def chunk_size_used(model: nn.Module) -> int | None:
 
 
 def stream(model: nn.Module, chunk_size: int | str = 1024, head_chunk_size: int = 256, layers: bool = True,
-           eval_logits: bool = True, chunk_memory: int | None = None) -> nn.Module:
+           eval_logits: bool = True, chunk_memory: int | None = None, offload: bool = False) -> nn.Module:
     """Make the decoder of ``model`` run exact StreamBP whenever it builds a graph.
 
     ``model`` is a transformers causal LM, or a PEFT / DDP / accelerate wrapper of one, before or
     after ``get_peft_model`` or a TRL trainer's setup. Calls with ``labels`` return ``loss`` (and
     ``logits=None`` in training); TRL's fused-head calls return per-token log-probs; both are
-    chunked. ``layers=False`` chunks only the LM head and leaves the decoder to transformers.
+    chunked. ``layers=False`` chunks only the LM head and leaves the decoder to transformers;
+    ``offload`` keeps the layer inputs in host memory until backward (same gradients, bit for bit).
     Returns ``model``. Undo with :func:`unstream`.
     """
     config = StreamConfig(chunk_size=chunk_size, head_chunk_size=head_chunk_size, layers=layers,
-                          eval_logits=eval_logits, chunk_memory=chunk_memory)
+                          eval_logits=eval_logits, chunk_memory=chunk_memory, offload=offload)
     lm = causal_lm_of(model)
     if is_streamed(lm):
         if installed(lm, "forward", _lm_forward):
@@ -289,7 +295,7 @@ def _backbone_forward(backbone: nn.Module, plain, *args, **kwargs):
     adapter = state.adapter
     _check_training_call(state, backbone, [adapter.embed_tokens(), *adapter.layers(), adapter.final_norm()])
     _warn_if_trl_head_outside(state, adapter.model)
-    hidden, _ = decoder_layers(adapter, state.layer_chunk, **_data(arguments))
+    hidden, _ = decoder_layers(adapter, state.layer_chunk, **_data(arguments), offload=state.config.offload)
     hidden = rowwise(adapter.final_norm(), hidden, state.chunk_rows)
     return BaseModelOutputWithPast(last_hidden_state=hidden)
 
@@ -364,7 +370,8 @@ def _hidden_for_head(lm: nn.Module, state: _StreamState, arguments: dict, router
         return out.last_hidden_state, nn.Identity(), False, None
     if _builds_graph(lm, arguments):
         _check_training_call(state, lm, [adapter.embed_tokens(), *adapter.layers(), *head_modules])
-    hidden, stats = decoder_layers(adapter, state.layer_chunk, **_data(arguments), router_stats=router_stats)
+    hidden, stats = decoder_layers(adapter, state.layer_chunk, **_data(arguments), router_stats=router_stats,
+                                   offload=state.config.offload)
     if gathers_per_call(adapter.final_norm()):
         # the head cannot apply the norm inside its own chunks without using the norm's parameters
         # outside the norm's calls: the norm gets its own (chunked) call; costs one (B, T, H) tensor

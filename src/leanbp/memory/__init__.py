@@ -1,5 +1,6 @@
-"""Measuring peak memory of a training step (``track``) and reporting it (``MemoryReport``)."""
+"""Measuring peak memory of a training step (``track``, ``MemoryReport``) and predicting it for a
+device one does not have (``Planner``, ``leanbp plan``)."""
 
-from ._tracker import MemoryReport, track
+from ._tracker import MemoryReport, count_host_storage, host_allocations, in_phase, phase, track
 
-__all__ = ["MemoryReport", "track"]
+__all__ = ["MemoryReport", "count_host_storage", "host_allocations", "in_phase", "phase", "track"]

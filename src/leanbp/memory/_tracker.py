@@ -3,28 +3,114 @@
 On CPU a TorchDispatchMode sees every tensor an op returns; each new storage is counted while it is
 alive (a weak reference tells when it dies). Unlike torch's MemTracker this does not care how
 often a module is called, so chunked and recomputing engines are measured like any other code.
+The same mode counts a step run on fake tensors (``FakeTensorMode``, no values, no memory), which is
+how ``leanbp plan`` predicts a device it does not have.
+
+Host memory (the layer inputs a streamed model with ``offload=True`` keeps off the device) is
+counted apart: storages made inside ``host_allocations()`` go to the host count, also on CPU where
+"device" and "host" are the same RAM, so the device side can be compared with and without offload.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 import weakref
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 MiB = 2**20
 
 
+class _HostBytes:
+    """Bytes of host-store storages alive now and their peak since the last reset. Process-wide:
+    a CUDA backward runs on autograd's device thread, not the thread that entered ``track``."""
+
+    def __init__(self):
+        self.inside = 0  # > 0 inside host_allocations()
+        self.live = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+
+    def freed(self, nbytes: int) -> None:
+        with self._lock:
+            self.live -= nbytes
+
+
+_HOST = _HostBytes()
+
+
+_PHASES: list[str] = []
+
+
+@contextmanager
+def phase(name: str):
+    """Label the memory peak of the code inside (``MemoryReport.phase_peaks``): the engine marks its
+    layer forward, layer backward and head, so that ``leanbp plan`` can follow each phase's peak
+    along T (the step's peak is their maximum). Unlabelled code is "forward" or "backward"."""
+    _PHASES.append(name)
+    try:
+        yield
+    finally:
+        _PHASES.pop()
+
+
+def in_phase(name: str):
+    """Decorator: the function runs inside ``phase(name)`` (for autograd Functions' forward/backward)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def labelled(*args, **kwargs):
+            with phase(name):
+                return fn(*args, **kwargs)
+        return labelled
+    return wrap
+
+
+def current_phase() -> str:
+    if _PHASES:
+        return _PHASES[-1]
+    return "backward" if torch._C._current_autograd_node() is not None else "forward"
+
+
+@contextmanager
+def host_allocations():
+    """Storages made inside are host memory (a host store's copies): the tracker leaves them to
+    the store, which counts them with ``count_host_storage``."""
+    _HOST.inside += 1
+    try:
+        yield
+    finally:
+        _HOST.inside -= 1
+
+
+def count_host_storage(t: torch.Tensor) -> None:
+    """Count ``t``'s storage as host memory until it dies (host stores call it for what they
+    allocate, on every device)."""
+    storage = t.untyped_storage()
+    _HOST.add(storage.nbytes())
+    weakref.finalize(storage, _HOST.freed, storage.nbytes())
+
+
 @dataclass(frozen=True)
 class MemoryReport:
-    """Bytes. ``activations`` is the step's peak minus parameters and gradients."""
+    """Bytes. ``activations`` is the step's peak minus parameters and gradients (device side);
+    ``host`` is the peak of the host store (layer inputs offloaded by ``stream(offload=True)``)."""
 
     peak: int
     params: int
     grads: int
+    host: int = 0
+    # the peak while each phase ran (CPU and fake-tensor runs; see ``phase``)
+    phase_peaks: dict = field(default_factory=dict, compare=False)
 
     @property
     def activations(self) -> int:
@@ -33,7 +119,7 @@ class MemoryReport:
     def as_mib(self) -> dict[str, float]:
         return {k: v / MiB for k, v in
                 {"peak": self.peak, "params": self.params, "grads": self.grads,
-                 "activations": self.activations}.items()}
+                 "activations": self.activations, "host": self.host}.items()}
 
 
 class _LiveStorageBytes(TorchDispatchMode):
@@ -43,6 +129,7 @@ class _LiveStorageBytes(TorchDispatchMode):
         super().__init__()
         self.live = baseline
         self.peak = baseline
+        self.phase_peaks: dict[str, int] = {}  # the peak while each phase ran (see ``phase``)
         self._seen: "weakref.WeakSet" = weakref.WeakSet()
         for t in existing:  # already counted in the baseline
             self._seen.add(t.untyped_storage())
@@ -52,25 +139,45 @@ class _LiveStorageBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        # a view or an in-place result shares an input's storage: nothing new was allocated (this
-        # matters for views of tensors that existed before tracking began, e.g. weight.t())
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                if storage not in self._seen and (storage.data_ptr() not in inputs or storage.nbytes() == 0):
-                    self._seen.add(storage)
-                    nbytes = storage.nbytes()
-                    self.live += nbytes
-                    weakref.finalize(storage, self._freed, nbytes)
+        # A view or an in-place result shares an input's storage: nothing new was allocated (this
+        # matters for views of tensors that existed before tracking began, e.g. weight.t()).
+        # Storages are told apart by their implementation (_cdata): fake ones all have address 0.
+        inputs = None
+        for t in _tensors(out):
+            storage = t.untyped_storage()
+            if storage in self._seen:
+                continue
+            if inputs is None:
+                inputs = {x.untyped_storage()._cdata for x in _tensors(args)} | \
+                    {x.untyped_storage()._cdata for x in _tensors(tuple((kwargs or {}).values()))}
+            if storage._cdata in inputs and storage.nbytes():
+                continue
+            self._seen.add(storage)
+            if not _HOST.inside:  # (host memory is counted by its store)
+                nbytes = storage.nbytes()
+                self.live += nbytes
+                weakref.finalize(storage, self._freed, nbytes)
         if self.live > self.peak:
             self.peak = self.live
+        name = current_phase()
+        if self.live > self.phase_peaks.get(name, 0):
+            self.phase_peaks[name] = self.live
         return out
 
 
+def _tensors(value):
+    """The (non-meta) tensors of an op's arguments or result: a tensor, or tensors in (nested)
+    lists and tuples (what aten ops take and return; cheaper than a pytree walk on every op)."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "meta":
+            yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
 def _tensor_bytes(tensors) -> int:
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}  # (fake: all at 0)
     return sum(storages.values())
 
 
@@ -117,13 +224,15 @@ class track:
             self._mode = _LiveStorageBytes(params + grads_before, self._params() + self._grads())
             self._mode.__enter__()
         self._params_bytes = params
+        self._host_start = _HOST.peak = _HOST.live  # (what a host store held before: not this block's)
         self._watch_grads()
         return self
 
     def __exit__(self, *exc):
+        phase_peaks = {}
         if self._mode is not None:
             self._mode.__exit__(*exc)
-            peak = self._mode.peak
+            peak, phase_peaks = self._mode.peak, self._mode.phase_peaks
         else:
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
@@ -131,5 +240,6 @@ class track:
             hook.remove()
         at_exit = {id(p): p.grad.untyped_storage().nbytes() for p in self._params() if p.grad is not None}
         grads = sum(max(self._grad_bytes.get(k, 0), at_exit.get(k, 0)) for k in set(self._grad_bytes) | set(at_exit))
-        self.report = MemoryReport(peak=peak, params=self._params_bytes, grads=grads)
+        self.report = MemoryReport(peak=peak, params=self._params_bytes, grads=grads,
+                                   host=_HOST.peak - self._host_start, phase_peaks=phase_peaks)
         return False

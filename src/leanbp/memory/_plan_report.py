@@ -1,0 +1,156 @@
+"""``leanbp plan`` output: the peak at each T per method, the longest T that fits, as a table, CSV,
+JSON and a plot (memory against T per method, with the budget line)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ._planner import GiB, LABELS, METHODS, OPTIMIZER_BYTES_PER_PARAM, Peak, Planner
+
+DEFAULT_SEQ_LENS = [4096, 16384, 65536, 131072, 262144, 1048576]
+
+
+@dataclass
+class PlanRequest:
+    model: str = "qwen3-8b"
+    memory: int = 80 * GiB  # the device's memory, bytes
+    reserve: int = 0  # held back for what the plan does not model (CUDA context, fragmentation)
+    dtype: str = "bf16"
+    batch: int = 1
+    seq_lens: list[int] = field(default_factory=lambda: list(DEFAULT_SEQ_LENS))
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    modes: list[str] = field(default_factory=lambda: ["backprop", "step"])
+    chunk_size: int = 1024
+    head_chunk_size: int = 256
+    hold_outputs: bool = True
+
+    def __post_init__(self):
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad or not self.methods:
+            raise ValueError(f"methods: {bad or 'none given'}; choose from {list(METHODS)}")
+        bad = [m for m in self.modes if m not in ("backprop", "step")]
+        if bad or not self.modes:
+            raise ValueError(f"modes: {bad or 'none given'}; choose from backprop, step")
+        if not self.seq_lens or any(not isinstance(t, int) or t < 1 for t in self.seq_lens):
+            raise ValueError(f"seq_lens must be positive integers, got {self.seq_lens}")
+        if self.reserve >= self.memory:
+            raise ValueError("the reserve must be smaller than the memory")
+
+    @property
+    def budget(self) -> int:
+        return self.memory - self.reserve
+
+
+def run_plan(request: PlanRequest, config, progress: bool = True) -> dict:
+    """Every (mode, method, T) peak and every (mode, method) longest T, as plain data."""
+    from tqdm import tqdm
+
+    planner = Planner(config, dtype=request.dtype, batch=request.batch, chunk_size=request.chunk_size,
+                      head_chunk_size=request.head_chunk_size, hold_outputs=request.hold_outputs)
+    started = time.perf_counter()
+    bar = tqdm(total=len(request.methods), desc="leanbp plan", unit="method", disable=not progress)
+    peaks, longest = [], []
+    for method in request.methods:
+        planner.lines(method, progress=lambda m, T: bar.set_postfix_str(f"{m}: fake step at T={T}"))
+        for mode in request.modes:
+            optimizer = mode == "step"
+            peaks += [dict(mode=mode, **asdict(planner.peak(method, T, optimizer)))
+                      for T in request.seq_lens]
+            bar.set_postfix_str(f"{method}: longest T ({mode})")
+            T, checked = planner.max_seq_len(method, request.budget, optimizer)
+            longest.append(dict(mode=mode, method=method, max_seq_len=T, checked=checked))
+        bar.update()
+    bar.close()
+    return {"request": asdict(request), "parameters": planner.trainable_params(),
+            "optimizer_bytes_per_param": OPTIMIZER_BYTES_PER_PARAM, "seconds": time.perf_counter() - started,
+            "peaks": peaks, "longest": longest}
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:.1f}"
+
+
+def format_plan(result: dict) -> str:
+    req = result["request"]
+    lines = [
+        f"leanbp plan: {req['model']} ({result['parameters'] / 1e9:.2f} B parameters), {req['dtype']}, batch "
+        f"{req['batch']}, device memory {_gib(req['memory'])} GiB - reserve {_gib(req['reserve'])} GiB; leanbp "
+        f"chunk {req['chunk_size']} rows; {'outputs held through backward' if req['hold_outputs'] else 'outputs dropped before backward'}"
+        f" ({result['seconds']:.0f} s)",
+        "",
+        "Peak device memory, GiB (step = backprop + AdamW's two fp32 moments; * = from the phases' lines, not a "
+        "fake step at that T; phase = where the peak is):",
+        "",
+        "| mode | method | T | weights | grads | optimizer | activations | total | host | fits | phase |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    budget = req["memory"] - req["reserve"]
+    for p in result["peaks"]:
+        peak = Peak(**{k: v for k, v in p.items() if k != "mode"})
+        lines.append(
+            f"| {p['mode']} | {LABELS[p['method']]} | {p['seq_len']:,}{'' if p['probed'] else '*'} | "
+            f"{_gib(peak.weights)} | {_gib(peak.grads)} | {_gib(peak.optimizer)} | {_gib(peak.activations)} | "
+            f"{_gib(peak.total)} | {_gib(peak.host) if peak.host else '-'} | {'yes' if peak.total <= budget else 'no'} | "
+            f"{peak.phase} |")
+    lines += ["", f"Longest sequence that fits {_gib(budget)} GiB (a multiple of 256; * = from the phases' lines, a "
+                  "fake step at that T too long to run):", "",
+              "| method | " + " | ".join(f"{m} T" for m in req["modes"]) + " |",
+              "|---|" + "---|" * len(req["modes"])]
+    by = {(r["mode"], r["method"]): r for r in result["longest"]}
+    for method in req["methods"]:
+        cells = [f"{by[(m, method)]['max_seq_len']:,}{'' if by[(m, method)]['checked'] else '*'}" for m in req["modes"]]
+        lines.append(f"| {LABELS[method]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_plan(result: dict, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(result, indent=2))
+    with open(out / "plan.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["mode", "method", "seq_len", "weights", "grads", "optimizer", "activations",
+                                          "total", "host", "probed", "phase"])
+        w.writeheader()
+        for p in result["peaks"]:
+            peak = Peak(**{k: v for k, v in p.items() if k != "mode"})
+            w.writerow({**{k: p[k] for k in w.fieldnames if k in p}, "total": peak.total})
+    (out / "plan.md").write_text(format_plan(result) + "\n")
+    _plot(result, out / "plan.png")
+    return out
+
+
+def _plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    req = result["request"]
+    modes = req["modes"]
+    fig, axes = plt.subplots(1, len(modes), figsize=(6.2 * len(modes), 4.4), squeeze=False)
+    budget = (req["memory"] - req["reserve"]) / GiB
+    longest = {(r["mode"], r["method"]): r["max_seq_len"] for r in result["longest"]}
+    for ax, mode in zip(axes[0], modes):
+        for method in req["methods"]:
+            rows = [p for p in result["peaks"] if p["mode"] == mode and p["method"] == method]
+            xs = [p["seq_len"] for p in rows]
+            ys = [Peak(**{k: v for k, v in p.items() if k != "mode"}).total / GiB for p in rows]
+            line, = ax.plot(xs, ys, marker="o", label=f"{LABELS[method]} (max {longest[(mode, method)]:,})")
+            if longest[(mode, method)]:
+                ax.axvline(longest[(mode, method)], color=line.get_color(), linestyle=":", linewidth=1)
+        ax.axhline(budget, color="black", linestyle="--", linewidth=1, label=f"budget {budget:.1f} GiB")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length T (tokens)")
+        ax.set_ylabel("peak device memory (GiB)")
+        ax.set_title(f"{req['model']}, {req['dtype']}, batch {req['batch']}: "
+                     f"{'backprop only' if mode == 'backprop' else 'full step (AdamW)'}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,135 @@
+"""leanbp plan: fake steps measure what real steps measure, the depth and length lines hold, the
+longest T fits and the next does not, presets are the published shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+import leanbp
+from leanbp.cli import main
+from leanbp.memory._planner import PRESETS, Planner, load_config, parse_bytes, training_step
+
+METHODS = ("plain", "ckpt", "leanbp", "leanbp_offload")
+
+
+def _config(layers=3):
+    return transformers.Qwen3Config(hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                                    max_position_embeddings=4096, tie_word_embeddings=False,
+                                    attn_implementation="sdpa")
+
+
+def _measured(config, method, T, hold_outputs):
+    """The step on real tensors, measured by leanbp.memory.track."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    if method == "ckpt":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if method.startswith("leanbp"):
+        leanbp.stream(model, chunk_size=64, head_chunk_size=32, offload=method == "leanbp_offload")
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    ids = torch.randint(0, config.vocab_size, (2, T))
+    with leanbp.memory.track(model) as mem:
+        training_step(model, ids, hold_outputs)
+    return mem.report
+
+
+@pytest.mark.parametrize("method, hold_outputs", [("plain", True), ("plain", False), ("ckpt", True), ("ckpt", False),
+                                                  ("leanbp", True), ("leanbp_offload", True)])
+def test_fake_step_predicts_the_measured_bytes_exactly(method, hold_outputs):
+    config = _config()
+    planner = Planner(config, dtype="fp32", batch=2, chunk_size=64, head_chunk_size=32, hold_outputs=hold_outputs)
+    assert planner.depths == (1, 2)  # so the 3-layer numbers come from the depth line
+    predicted = planner.step(method, 320)
+    measured = _measured(config, method, 320, hold_outputs)
+    assert (predicted.peak, predicted.params, predicted.grads, predicted.host) == \
+        (measured.peak, measured.params, measured.grads, measured.host)
+
+
+@pytest.fixture(scope="module")
+def planner():
+    """One planner for the tests below, so that they share its fake models and lines."""
+    return Planner(_config(), dtype="bf16", chunk_size=512, head_chunk_size=1024)
+
+
+@pytest.mark.parametrize("method", ["ckpt", "leanbp_offload"])
+def test_the_phase_lines_predict_a_longer_fake_step(planner, method):
+    lines = planner.lines(method)
+    T = 32768
+    assert lines.valid_from <= T // 8
+    by_lines, probed = planner.peak(method, T), planner.peak(method, T, probe=True)
+    assert not by_lines.probed and probed.probed
+    assert (by_lines.total, by_lines.host, by_lines.phase) == (probed.total, probed.host, probed.phase)
+
+
+def test_longest_sequence_fits_and_one_more_block_does_not(planner):
+    budget = 16 * 2**20
+    for method, optimizer, step in (("ckpt", False, 256), ("leanbp", True, 512)):  # leanbp: whole chunks
+        T, checked = planner.max_seq_len(method, budget, optimizer)
+        assert checked and T > 0 and T % step == 0
+        assert planner.peak(method, T, optimizer, probe=True).total <= budget
+        assert planner.peak(method, T + step, optimizer, probe=True).total > budget
+    assert planner.max_seq_len("leanbp", budget)[0] > 4 * planner.max_seq_len("ckpt", budget)[0]
+
+
+def test_optimizer_state_is_two_fp32_moments_per_parameter(planner):
+    n = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(_config()).parameters())
+    assert planner.trainable_params() == n
+    assert planner.peak("leanbp", 4096, optimizer=True).optimizer == 8 * n
+
+
+# published parameter counts of the presets' models (their model cards), in billions
+PUBLISHED = {"qwen3-0.6b": 0.60, "qwen3-1.7b": 1.72, "qwen3-4b": 4.02, "qwen3-8b": 8.19, "qwen3-14b": 14.77,
+             "qwen3-32b": 32.76, "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55, "mistral-7b": 7.25,
+             "qwen2.5-7b": 7.62, "qwen2.5-32b": 32.76}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_have_the_published_sizes(name):
+    config = load_config(name.upper())  # names are case-insensitive
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in model.parameters()) / 1e9
+    assert params == pytest.approx(PUBLISHED[name], rel=0.01)
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("141 GB") == 141 * 10**9
+    assert parse_bytes("1.5TiB") == int(1.5 * 2**40)
+    assert parse_bytes("4096") == 4096
+    for bad in ("lots", "-1GiB"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+def test_unknown_model_is_a_clear_error():
+    with pytest.raises(FileNotFoundError, match="preset"):
+        load_config("qwen9-1t")
+
+
+def test_cli_plan_writes_table_csv_json_and_plot(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    _config().to_json_file(str(cfg))
+    out = tmp_path / "plan"
+    code = main(["plan", "--model", str(cfg), "--memory", "64MiB", "--dtype", "bf16", "--seq-lens", "1024,8192",
+                 "--methods", "ckpt,leanbp_offload", "--chunk-size", "512", "--head-chunk-size", "1024",
+                 "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "transformers checkpointing" in printed and "leanbp + offload" in printed
+    result = json.loads((out / "plan.json").read_text())
+    assert {p["seq_len"] for p in result["peaks"]} == {1024, 8192}
+    longest = {(r["mode"], r["method"]): r["max_seq_len"] for r in result["longest"]}
+    assert longest[("backprop", "leanbp_offload")] > longest[("backprop", "ckpt")] > 0
+    assert longest[("step", "ckpt")] <= longest[("backprop", "ckpt")]
+    assert {p["optimizer"] > 0 for p in result["peaks"] if p["mode"] == "step"} == {True}
+    assert {p["optimizer"] for p in result["peaks"] if p["mode"] == "backprop"} == {0}
+    for name in ("plan.md", "plan.csv", "plan.png"):
+        assert (out / name).stat().st_size > 0
+    assert main(["plan", "--model", str(cfg), "--memory", "1GiB", "--reserve", "2GiB", "--out", str(out)]) == 2
