@@ -34,9 +34,12 @@ def test_train_resume_gives_the_same_losses_as_one_run(tmp_path):
     assert main(args + ["--steps", "4", "--out", str(tmp_path / "a")]) == 0
     assert main(args + ["--steps", "2", "--out", str(tmp_path / "b")]) == 0
     assert main(args + ["--steps", "4", "--out", str(tmp_path / "b"), "--resume"]) == 0
+    assert main(args + ["--steps", "4", "--out", str(tmp_path / "c"), "--offload"]) == 0
     a = json.loads((tmp_path / "a" / "checkpoint" / "trainer_state.json").read_text())["losses"]
     b = json.loads((tmp_path / "b" / "checkpoint" / "trainer_state.json").read_text())["losses"]
+    c = json.loads((tmp_path / "c" / "checkpoint" / "trainer_state.json").read_text())["losses"]
     assert a == pytest.approx(b, rel=1e-5)
+    assert a == c  # offload: the same gradients bit for bit, so the same run
 
 
 def test_train_sft_jsonl_with_prompt_masking(tmp_path):
@@ -52,6 +55,8 @@ def test_train_rejects_bad_input(tmp_path, capsys):
     assert "steps must be >= 1" in capsys.readouterr().err
     assert main(["train", "--model", str(tmp_path / "missing"), "--out", str(tmp_path)]) == 2
     assert main(["train", "--resume", "--out", str(tmp_path / "empty")]) == 2
+    assert main(["train", "--offload", "--no-stream", "--out", str(tmp_path / "x")]) == 2
+    assert "--offload" in capsys.readouterr().err
 
 
 def test_verify_built_in_model(capsys):

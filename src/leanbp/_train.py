@@ -49,6 +49,7 @@ class TrainConfig:
     chunk_size: int | str = "auto"  # the largest chunk within the default budget (engine/_chunking.py)
     head_chunk_size: int = StreamConfig.head_chunk_size
     stream: bool = True
+    offload: bool = False  # the streamed layers' inputs wait in host memory until backward
     approx: str = "none"  # none | act | norm | both (Approx-BP / MS-BP; "act" changes gradients)
     save_every: int = 20
     seed: int = 0
@@ -83,6 +84,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.lr <= 0:
             raise ValueError("lr must be > 0")
+        if self.offload and not self.stream:
+            raise ValueError("--offload moves the streamed layers' inputs to the host: it needs streaming (drop --no-stream)")
         if self.approx not in ("none", "act", "norm", "both"):
             raise ValueError(f"approx must be none, act, norm or both, got {self.approx!r}")
         if self.engine not in ENGINES:
@@ -247,7 +250,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     if cfg.approx != "none":
         approx(model, activations=cfg.approx in ("act", "both"), norms=cfg.approx in ("norm", "both"))
     if cfg.stream:
-        stream(model, chunk_size=cfg.chunk_size, head_chunk_size=cfg.head_chunk_size)
+        stream(model, chunk_size=cfg.chunk_size, head_chunk_size=cfg.head_chunk_size, offload=cfg.offload)
     engine.prepare(model, cfg.lr, cfg.weight_decay)
     if resume_from is not None:
         engine.load(resume_from)

@@ -79,7 +79,7 @@ def train_trl(cfg, model, tokenizer, progress: bool = True) -> dict:
         extra["reward_funcs"] = continuation_reward
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, **extra)
     if cfg.stream:
-        stream_trainer(trainer, chunk_size=cfg.chunk_size, head_chunk_size=cfg.head_chunk_size)
+        stream_trainer(trainer, chunk_size=cfg.chunk_size, head_chunk_size=cfg.head_chunk_size, offload=cfg.offload)
     trainer_checkpoints = sorted((out / "trainer").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     if cfg.resume and not trainer_checkpoints:
         raise FileNotFoundError(f"--resume: no checkpoint in {out / 'trainer'}")

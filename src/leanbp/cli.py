@@ -42,6 +42,9 @@ def _add_train(sub):
     p.add_argument("--head-chunk-size", type=int, default=StreamConfig.head_chunk_size,
                    help="labelled rows per chunk in the LM head + loss")
     p.add_argument("--no-stream", action="store_true", help="plain autograd (baseline)")
+    p.add_argument("--offload", action="store_true",
+                   help="keep each decoder layer's input in host memory between its forward and its backward "
+                        "(same gradients; the device then holds one layer's working set)")
     p.add_argument("--approx", choices=["none", "act", "norm", "both"], default="none",
                    help="opt in to Approx-BP (act: ReSiLU2/ReGELU2, approximate gradients) and/or MS-BP "
                         "(norm: memory-sharing norms with folded affines)")
@@ -79,7 +82,8 @@ def _add_bench(sub):
                                       "approx: 512,1024,2048; trl: per objective, e.g. sft=4096:16384,dpo=8192)")
     p.add_argument("--timed-steps", type=int, default=3, help="stream and trl suites: steps timed per case (median)")
     p.add_argument("--methods", default="plain,ckpt,leanbp",
-                   help='stream suite: comma-separated plain, ckpt, leanbp, leanbp_auto (chunk_size="auto")')
+                   help='stream suite: comma-separated plain, ckpt, leanbp, leanbp_auto (chunk_size="auto"), leanbp_offload '
+                        '(layer inputs in host memory, reported in a host column)')
     p.add_argument("--model", default="qwen3", choices=BENCH_MODELS,
                    help="stream suite: the bench shape as a Qwen3 (default), Gemma3 (3 sliding-window layers of "
                         "1024 + 1 global) or Qwen3-MoE (8 experts, top 2, load-balancing loss on) model")
@@ -167,7 +171,7 @@ def _train(args) -> int:
                       batch_size=args.batch_size, grad_accum=args.grad_accum, steps=args.steps, lr=args.lr,
                       warmup=args.warmup, weight_decay=args.weight_decay,
                       dtype=args.dtype, chunk_size=args.chunk_size, head_chunk_size=args.head_chunk_size,
-                      stream=not args.no_stream, approx=args.approx, save_every=args.save_every, seed=args.seed,
+                      stream=not args.no_stream, offload=args.offload, approx=args.approx, save_every=args.save_every, seed=args.seed,
                       device=args.device, resume=args.resume, packing=args.packing, group_size=args.group_size,
                       completion_len=args.completion_len, keep=args.keep, overwrite=args.overwrite,
                       skip_nonfinite=args.skip_nonfinite, engine=engine)

@@ -13,8 +13,9 @@ import time
 
 import torch
 
-# head: transformers' decoder + leanbp's chunked loss; leanbp_auto: leanbp with chunk_size="auto"
-METHODS = ("plain", "ckpt", "leanbp", "leanbp_auto", "head")
+# head: transformers' decoder + leanbp's chunked loss; leanbp_auto: leanbp with chunk_size="auto";
+# leanbp_offload: leanbp with the layer inputs in host memory (its host bytes are reported apart)
+METHODS = ("plain", "ckpt", "leanbp", "leanbp_auto", "leanbp_offload", "head")
 APPROX = ("none", "act", "norm", "both")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -54,10 +55,10 @@ def build_case_model(spec: dict):
         top = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS))
     if variant != "none":
         approx(model, activations=variant in ("act", "both"), norms=variant in ("norm", "both"))
-    if method in ("leanbp", "leanbp_auto", "head"):
+    if method in ("leanbp", "leanbp_auto", "leanbp_offload", "head"):
         stream(model, chunk_size="auto" if method == "leanbp_auto" else spec.get("chunk_size", StreamConfig.chunk_size),
                head_chunk_size=spec.get("head_chunk_size", StreamConfig.head_chunk_size),
-               layers=method != "head")
+               layers=method != "head", offload=method == "leanbp_offload")
     return top, model.config
 
 
@@ -102,7 +103,7 @@ def run_case(spec: dict) -> dict:
     r = mem.report
     rows = chunk_size_used(model) if is_streamed(model) else None  # (None with layers=False)
     return {**spec, "loss": loss, "peak": r.peak, "params": r.params, "grads": r.grads,
-            "activations": r.activations, "step_s": seconds, "chunk_rows": rows}
+            "activations": r.activations, "host": r.host, "step_s": seconds, "chunk_rows": rows}
 
 
 if __name__ == "__main__":

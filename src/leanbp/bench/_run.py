@@ -315,7 +315,7 @@ def _add_ratios(rows: list[dict], name: str, is_base, group) -> None:
         r[f"time_vs_{name}"] = r["step_s"] / base["step_s"]
 
 
-COLUMNS = ["method", "seq_len", "chunk_rows", "peak_mib", "params_mib", "grads_mib", "act_mib", "step_s",
+COLUMNS = ["method", "seq_len", "chunk_rows", "peak_mib", "params_mib", "grads_mib", "act_mib", "host_mib", "step_s",
            "act_vs_ckpt", "time_vs_ckpt", "error"]
 
 
@@ -323,7 +323,7 @@ def _flat(r: dict) -> dict:
     out = {"method": r["method"], "seq_len": r["seq_len"], "chunk_rows": r.get("chunk_rows") or "",
            "error": r.get("error", "")}
     for key, col in (("peak", "peak_mib"), ("params", "params_mib"), ("grads", "grads_mib"),
-                     ("activations", "act_mib")):
+                     ("activations", "act_mib"), ("host", "host_mib")):
         out[col] = round(r[key] / MiB, 1) if key in r else ""
     for key in ("step_s", "act_vs_ckpt", "time_vs_ckpt"):
         out[key] = round(r[key], 3) if key in r else ""
@@ -340,10 +340,10 @@ def write_csv(rows: list[dict], path: Path) -> None:
 
 def format_table(rows: list[dict]) -> str:
     return markdown_table(
-        ["T", "method", "chunk", "peak MiB", "activation MiB", "step s", "act / ckpt", "time / ckpt"], rows,
+        ["T", "method", "chunk", "peak MiB", "activation MiB", "host MiB", "step s", "act / ckpt", "time / ckpt"], rows,
         key=lambda r: [r["seq_len"], r["method"], r.get("chunk_rows") or ""],
-        values=lambda r: [(f := _flat(r))["peak_mib"], f["act_mib"], f"{r['step_s']:.1f}", _ratio(f["act_vs_ckpt"]),
-                          _ratio(f["time_vs_ckpt"])])
+        values=lambda r: [(f := _flat(r))["peak_mib"], f["act_mib"], f["host_mib"] or "-", f"{r['step_s']:.1f}",
+                          _ratio(f["act_vs_ckpt"]), _ratio(f["time_vs_ckpt"])])
 
 
 def _ratio(x) -> str:

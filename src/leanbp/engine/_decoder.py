@@ -68,7 +68,10 @@ def decoder_layers(adapter, chunk_rows_for, input_ids=None, inputs_embeds=None, 
         position_ids = position_ids.to(hidden.device)
         if attention_mask is None:
             documents = Documents.from_position_ids(position_ids, B)
-    rope = adapter.position_embeddings(hidden, position_ids)  # per layer (cos, sin), (1 or B, T, R) each
+    # Memory: (cos, sin), (1 or B, T, R) each, per rotary kind for the whole step (R is a head's
+    # width, 1/32 of a layer input for Qwen3-8B): computed once for all T because some rotary types
+    # (dynamic NTK, Phi3's longrope) depend on the longest position, so a chunk cannot compute its own
+    rope = adapter.position_embeddings(hidden, position_ids)  # per layer
     key_keep = None
     if pads_anything(attention_mask):
         key_keep = attention_mask.to(device=hidden.device, dtype=torch.bool)

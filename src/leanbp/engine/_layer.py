@@ -74,8 +74,10 @@ class StreamedLayerFunction(torch.autograd.Function):
     @staticmethod
     @in_phase("layer forward")
     def forward(ctx, hidden: torch.Tensor, run: LayerRun, *params: torch.Tensor):
+        # Memory: the output (B, T, H) is the next layer's input (or the head's); the K/V buffers
+        # (B, Hkv, T, D) hold every row's K/V because each chunk attends to all rows before it
         out = torch.empty_like(hidden)
-        key_buf = value_buf = None  # (B, Hkv, T, D), filled chunk by chunk
+        key_buf = value_buf = None  # filled chunk by chunk
         prob_sum = None  # (E,) router probabilities summed over the rows, when asked for
         with torch.no_grad():
             for s, e in run.chunks(hidden.shape[1]):

@@ -5,7 +5,8 @@ Every number comes from running the real training step (``model(input_ids, label
 ``loss.backward()``, through transformers, its gradient checkpointing, or ``leanbp.stream``) on fake
 tensors (``FakeTensorMode``: shapes and dtypes, no values, no memory), measured by the same live-bytes
 tracker as ``leanbp.memory.track``. So the plan follows the code: change the engine and the plan
-changes with it. Two regularities of a decoder stack make it fast; both are checked on every run:
+changes with it. Two regularities of a decoder stack make it fast (the length one is checked on
+every run, both in ``tests/test_plan.py``):
 
 * Depth: a stack of identical layers adds the same bytes per layer (its weights, gradients and what
   each method keeps per layer), so the step is run at two small depths and the peak, weights,
@@ -19,8 +20,8 @@ changes with it. Two regularities of a decoder stack make it fast; both are chec
   layer chunks).
 
 What it does not model: allocator fragmentation and caching, the CUDA context, kernel workspaces
-(cuBLAS, flash attention) and the communication buffers of distributed engines; ``reserve`` holds
-them back from the budget. The attention kernels are the CPU ones (SDPA's flash kernel for
+(cuBLAS, flash attention) and the communication buffers of distributed engines; ``leanbp plan
+--reserve`` holds them back from the budget. The attention kernels are the CPU ones (SDPA's flash kernel for
 transformers, leanbp's two-block (out, lse) attention), which keep what the CUDA flash kernels keep.
 """
 
@@ -173,6 +174,7 @@ class Planner:
     _models: dict = field(default_factory=dict, repr=False)
     _lines: dict = field(default_factory=dict, repr=False)
     _resident: MemoryReport | None = field(default=None, repr=False)
+    _steps: dict = field(default_factory=dict, repr=False)  # (method, T) -> the fake step's report
     _mode: object = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -230,9 +232,15 @@ class Planner:
         return mem.report
 
     def step(self, method: str, T: int) -> MemoryReport:
-        """The step's memory at the model's depth (extended along the depth line when probed shallower)."""
+        """The step's memory at the model's depth (extended along the depth line when probed
+        shallower); each (method, T) is run once."""
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {list(METHODS)}")
+        if (method, T) not in self._steps:
+            self._steps[(method, T)] = self._step_at_full_depth(method, T)
+        return self._steps[(method, T)]
+
+    def _step_at_full_depth(self, method: str, T: int) -> MemoryReport:
         reports = [self._step_at_depth(method, T, d) for d in self.depths]
         if len(reports) == 1:
             return reports[0]
@@ -291,7 +299,7 @@ class Planner:
         """The step's memory at T: a fake step when ``probe`` (or when T lies before the lines'
         range), else read from the phases' lines."""
         lines = self.lines(method)
-        if probe or T < lines.valid_from:
+        if probe or T < lines.valid_from or (method, T) in self._steps:
             return self._peak(method, T, self.step(method, T), optimizer, probed=True)
         peak, host, phase = lines.at(T)
         base = self._resident
