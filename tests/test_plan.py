@@ -16,37 +16,45 @@ from leanbp.memory._planner import PRESETS, Planner, load_config, parse_bytes, t
 METHODS = ("plain", "ckpt", "leanbp", "leanbp_offload")
 
 
-def _config(layers=3):
+def _config(layers=4):
     return transformers.Qwen3Config(hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
                                     max_position_embeddings=4096, tie_word_embeddings=False,
                                     attn_implementation="sdpa")
 
 
-def _measured(config, method, T, hold_outputs):
+def _measured(config, method, T, hold_outputs, lora_rank=None):
     """The step on real tensors, measured by leanbp.memory.track."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).train()
+    if lora_rank:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank,
+                                                           target_modules="all-linear"))
     if method == "ckpt":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if method.startswith("leanbp"):
         leanbp.stream(model, chunk_size=64, head_chunk_size=32, offload=method == "leanbp_offload")
     for p in model.parameters():
-        p.grad = torch.zeros_like(p)
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
     ids = torch.randint(0, config.vocab_size, (2, T))
     with leanbp.memory.track(model) as mem:
         training_step(model, ids, hold_outputs)
     return mem.report
 
 
-@pytest.mark.parametrize("method, hold_outputs", [("plain", True), ("plain", False), ("ckpt", True), ("ckpt", False),
-                                                  ("leanbp", True), ("leanbp_offload", True)])
-def test_fake_step_predicts_the_measured_bytes_exactly(method, hold_outputs):
+@pytest.mark.parametrize("method, hold_outputs, lora_rank", [
+    ("plain", True, None), ("plain", False, None), ("ckpt", True, None), ("ckpt", False, None), ("leanbp", True, None),
+    ("leanbp_offload", True, None), ("ckpt", True, 4), ("leanbp", True, 4)])
+def test_fake_step_predicts_the_measured_bytes_exactly(method, hold_outputs, lora_rank):
     config = _config()
-    planner = Planner(config, dtype="fp32", batch=2, chunk_size=64, head_chunk_size=32, hold_outputs=hold_outputs)
-    assert planner.depths == (1, 2)  # so the 3-layer numbers come from the depth line
+    planner = Planner(config, dtype="fp32", batch=2, chunk_size=64, head_chunk_size=32, hold_outputs=hold_outputs,
+                      lora_rank=lora_rank)
+    assert planner.depths == (2, 3)  # so the 4-layer numbers come from the depth line
     predicted = planner.step(method, 320)
-    measured = _measured(config, method, 320, hold_outputs)
+    measured = _measured(config, method, 320, hold_outputs, lora_rank)
     assert (predicted.peak, predicted.params, predicted.grads, predicted.host) == \
         (measured.peak, measured.params, measured.grads, measured.host)
 
@@ -133,3 +141,18 @@ def test_cli_plan_writes_table_csv_json_and_plot(tmp_path, capsys):
     for name in ("plan.md", "plan.csv", "plan.png"):
         assert (out / name).stat().st_size > 0
     assert main(["plan", "--model", str(cfg), "--memory", "1GiB", "--reserve", "2GiB", "--out", str(out)]) == 2
+
+
+def test_a_fake_step_with_mask_and_position_ids_takes_no_decision_from_values():
+    """Padding, packed documents and labelled rows are read from values in a real step; on fake
+    tensors the engine takes the planner's assumptions instead of failing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = transformers.AutoModelForCausalLM.from_config(_config(layers=2)).train()
+        leanbp.stream(model, chunk_size=64, head_chunk_size=32)
+        ids = torch.zeros(2, 200, dtype=torch.long)
+        out = model(input_ids=ids, attention_mask=torch.ones(2, 200, dtype=torch.long),
+                    position_ids=torch.arange(200).expand(2, -1), labels=ids)
+        out.loss.backward()
+        assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())

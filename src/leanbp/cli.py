@@ -125,6 +125,9 @@ def _add_plan(sub):
     p.add_argument("--free-outputs", action="store_true",
                    help="the loop drops the model's outputs (logits) before backward, as transformers' Trainer does "
                         "(default: held through backward, as in outputs = model(**batch); outputs.loss.backward())")
+    p.add_argument("--lora", type=int, metavar="R",
+                   help="train LoRA adapters of rank R on every linear layer but the head, the base frozen "
+                        "(default: full fine-tuning)")
     p.add_argument("--out", default="plan_out", help="folder for plan.md / plan.csv / plan.json / plan.png")
 
 
@@ -138,7 +141,7 @@ def _plan(args) -> int:
                           methods=[m.strip() for m in args.methods.split(",") if m.strip()],
                           modes=["backprop", "step"] if args.mode == "both" else [args.mode],
                           chunk_size=args.chunk_size, head_chunk_size=args.head_chunk_size,
-                          hold_outputs=not args.free_outputs)
+                          hold_outputs=not args.free_outputs, lora_rank=args.lora)
     result = run_plan(request, load_config(args.model))
     print(format_plan(result))
     print(f"\nwritten to {write_plan(result, args.out)}/ (plan.md, plan.csv, plan.json, plan.png)")

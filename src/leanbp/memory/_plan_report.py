@@ -27,6 +27,7 @@ class PlanRequest:
     chunk_size: int = 1024
     head_chunk_size: int = 256
     hold_outputs: bool = True
+    lora_rank: int | None = None
 
     def __post_init__(self):
         bad = [m for m in self.methods if m not in METHODS]
@@ -50,7 +51,8 @@ def run_plan(request: PlanRequest, config, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     planner = Planner(config, dtype=request.dtype, batch=request.batch, chunk_size=request.chunk_size,
-                      head_chunk_size=request.head_chunk_size, hold_outputs=request.hold_outputs)
+                      head_chunk_size=request.head_chunk_size, hold_outputs=request.hold_outputs,
+                      lora_rank=request.lora_rank)
     started = time.perf_counter()
     bar = tqdm(total=len(request.methods), desc="leanbp plan", unit="method", disable=not progress)
     peaks, longest = [], []
@@ -77,10 +79,12 @@ def _gib(x: float) -> str:
 def format_plan(result: dict) -> str:
     req = result["request"]
     lines = [
-        f"leanbp plan: {req['model']} ({result['parameters'] / 1e9:.2f} B parameters), {req['dtype']}, batch "
-        f"{req['batch']}, device memory {_gib(req['memory'])} GiB - reserve {_gib(req['reserve'])} GiB; leanbp "
-        f"chunk {req['chunk_size']} rows; {'outputs held through backward' if req['hold_outputs'] else 'outputs dropped before backward'}"
-        f" ({result['seconds']:.0f} s)",
+        f"leanbp plan: {req['model']}, "
+        + (f"LoRA r={req['lora_rank']} on every linear layer ({result['parameters'] / 1e6:.1f} M trainable "
+           "parameters)" if req["lora_rank"] else f"full fine-tuning ({result['parameters'] / 1e9:.2f} B parameters)")
+        + f", {req['dtype']}, batch {req['batch']}, device memory {_gib(req['memory'])} GiB - reserve "
+        f"{_gib(req['reserve'])} GiB; leanbp chunk {req['chunk_size']} rows; outputs "
+        f"{'held through' if req['hold_outputs'] else 'dropped before'} backward ({result['seconds']:.0f} s)",
         "",
         "Peak device memory, GiB (step = backprop + AdamW's two fp32 moments; * = from the phases' lines, not a "
         "fake step at that T; phase = where the peak is):",
@@ -147,7 +151,7 @@ def _plot(result: dict, path: Path) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("sequence length T (tokens)")
         ax.set_ylabel("peak device memory (GiB)")
-        ax.set_title(f"{req['model']}, {req['dtype']}, batch {req['batch']}: "
+        ax.set_title(f"{req['model']}{', LoRA' if req['lora_rank'] else ''}, {req['dtype']}, batch {req['batch']}: "
                      f"{'backprop only' if mode == 'backprop' else 'full step (AdamW)'}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)

@@ -9,8 +9,9 @@ changes with it. Two regularities of a decoder stack make it fast (the length on
 every run, both in ``tests/test_plan.py``):
 
 * Depth: a stack of identical layers adds the same bytes per layer (its weights, gradients and what
-  each method keeps per layer), so the step is run at two small depths and the peak, weights,
-  gradients and host bytes are extended to the model's depth along that line.
+  each method keeps per layer), so the step is run at two small depths (2 and 3 layers: the first
+  layer can differ, e.g. when a frozen embedding gives it an input without gradient) and the peak,
+  weights, gradients and host bytes are extended to the model's depth along that line.
 * Length: at a fixed chunk size every buffer a step keeps grows linearly in T, so the peak of each
   phase of the step (the engine labels its layer forward, layer backward, head and final norm;
   the rest is "forward" or "backward", see ``memory.phase``) is affine in T, and the step's peak is
@@ -161,7 +162,8 @@ class Planner:
 
     dtype: parameters and gradients ("bf16", "fp16", "fp32"); batch: sequences per step;
     chunk_size / head_chunk_size: leanbp's (fixed) chunk sizes; hold_outputs: the loop keeps the
-    model's outputs until backward (see ``training_step``); verify_limit: a fake step to check the
+    model's outputs until backward (see ``training_step``); lora_rank: train LoRA adapters of this
+    rank on every linear layer but the head (PEFT's "all-linear"), the base frozen; verify_limit: a fake step to check the
     longest T is run when it has at most this many layer chunks."""
 
     config: object
@@ -170,6 +172,7 @@ class Planner:
     chunk_size: int = 1024
     head_chunk_size: int = 256
     hold_outputs: bool = True
+    lora_rank: int | None = None
     verify_limit: int = 64
     _models: dict = field(default_factory=dict, repr=False)
     _lines: dict = field(default_factory=dict, repr=False)
@@ -180,8 +183,10 @@ class Planner:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
-        for name in ("batch", "chunk_size", "head_chunk_size"):
+        for name in ("batch", "chunk_size", "head_chunk_size", "lora_rank"):
             value = getattr(self, name)
+            if name == "lora_rank" and value is None:
+                continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -189,9 +194,10 @@ class Planner:
         self._mode = FakeTensorMode()
         self.layers = self.config.num_hidden_layers
         # two depths whose difference is one repeat of the layer pattern (or the whole model when
-        # its layers are not alike, or when it is that shallow)
+        # its layers are not alike, or when it is that shallow). Not from one repeat: the first
+        # layer differs from the others when its input needs no gradient (a frozen embedding, LoRA)
         period = _layer_period(self.config)
-        self.depths = (period, 2 * period) if period and 2 * period < self.layers else (self.layers,)
+        self.depths = (2 * period, 3 * period) if period and 3 * period < self.layers else (self.layers,)
 
     # -- one fake step ---------------------------------------------------------------------------
     def _model(self, depth: int):
@@ -207,8 +213,11 @@ class Planner:
             config.use_cache = False
             with self._mode, torch.device("cpu"):
                 model = transformers.AutoModelForCausalLM.from_config(config, dtype=DTYPES[self.dtype]).train()
+                if self.lora_rank:
+                    model = _fake_lora(model, self.lora_rank)
                 for p in model.parameters():  # steady state of a training loop: gradients resident
-                    p.grad = torch.zeros_like(p)
+                    if p.requires_grad:
+                        p.grad = torch.zeros_like(p)
             self._models[depth] = model
         return self._models[depth]
 
@@ -260,8 +269,8 @@ class Planner:
         return Peak(method, T, report.params, report.grads, opt, report.activations, report.host, probed, phase)
 
     def trainable_params(self) -> int:
-        """Parameters of the full-depth model (all trainable here), from the depth line."""
-        counts = [sum(p.numel() for p in self._model(d).parameters()) for d in self.depths]
+        """Trainable parameters of the full-depth model (all, or the LoRA adapters), from the depth line."""
+        counts = [sum(p.numel() for p in self._model(d).parameters() if p.requires_grad) for d in self.depths]
         if len(counts) == 1:
             return counts[0]
         (d1, d2), (c1, c2) = self.depths, counts
@@ -355,6 +364,31 @@ def training_step(model, input_ids: torch.Tensor, hold_outputs: bool = True) -> 
     if not hold_outputs:
         del outputs
     loss.backward()
+
+
+def _fake_lora(model, rank: int):
+    """PEFT's LoRA (r=rank on every linear layer but the head) on a fake model. PEFT moves each new
+    adapter to its base layer's device (and dtype) with ``Module.to``, which must swap fake
+    parameters and cannot. The adapters are created on that device already, and PEFT keeps them in
+    fp32 whatever the base dtype (``autocast_adapter_dtype``), so while they are made those moves
+    are skipped: the result is the model real PEFT builds."""
+    import peft
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    move, to = BaseTunerLayer._move_adapter_to_device_of_base_layer, torch.nn.Module.to
+
+    def to_unless_there(module, *args, **kwargs):
+        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is None and all(p.device == device for p in module.parameters()):
+            return module
+        return to(module, *args, **kwargs)
+
+    BaseTunerLayer._move_adapter_to_device_of_base_layer = lambda self, adapter_name, device=None: None
+    torch.nn.Module.to = to_unless_there
+    try:
+        return peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
+    finally:
+        BaseTunerLayer._move_adapter_to_device_of_base_layer, torch.nn.Module.to = move, to
 
 
 @contextmanager
