@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 import leanbp
-from leanbp._builtin import bench_config, build_model
+from leanbp._builtin import bench_config
+from leanbp.bench._case import build_case_model
 from leanbp.bench._run import machine
 from leanbp.memory._planner import METHODS, Planner, training_step
 
@@ -27,16 +28,12 @@ MiB = 2**20
 
 
 def measured(method: str, T: int, chunk_size: int, head_chunk_size: int) -> leanbp.memory.MemoryReport:
-    """The step on real tensors (fp32, batch 1), measured by the live-bytes tracker."""
-    model = build_model(bench_config("qwen3", max_positions=max(T, 2048)), dtype=torch.float32).train()
-    if method == "ckpt":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if method.startswith("leanbp"):
-        leanbp.stream(model, chunk_size=chunk_size, head_chunk_size=head_chunk_size,
-                      offload=method == "leanbp_offload")
+    """The step on real tensors (the bench case's model: fp32, batch 1), measured by the live-bytes tracker."""
+    model, config = build_case_model({"method": method, "seq_len": T, "chunk_size": chunk_size,
+                                      "head_chunk_size": head_chunk_size})
     for p in model.parameters():  # steady state: gradients resident, as the planner assumes
         p.grad = torch.zeros_like(p)
-    ids = torch.randint(0, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, config.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
     with leanbp.memory.track(model) as mem:
         training_step(model, ids)
     return mem.report

@@ -9,7 +9,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ._planner import GiB, LABELS, METHODS, OPTIMIZER_BYTES_PER_PARAM, Peak, Planner
+from ._planner import GiB, LABELS, METHODS, OPTIMIZER_BYTES_PER_PARAM, Planner
 
 DEFAULT_SEQ_LENS = [4096, 16384, 65536, 131072, 262144, 1048576]
 
@@ -60,14 +60,15 @@ def run_plan(request: PlanRequest, config, progress: bool = True) -> dict:
         planner.lines(method, progress=lambda m, T: bar.set_postfix_str(f"{m}: fake step at T={T}"))
         for mode in request.modes:
             optimizer = mode == "step"
-            peaks += [dict(mode=mode, **asdict(planner.peak(method, T, optimizer)))
-                      for T in request.seq_lens]
+            for T in request.seq_lens:
+                peak = planner.peak(method, T, optimizer)
+                peaks.append(dict(mode=mode, **asdict(peak), total=peak.total))
             bar.set_postfix_str(f"{method}: longest T ({mode})")
             T, checked = planner.max_seq_len(method, request.budget, optimizer)
             longest.append(dict(mode=mode, method=method, max_seq_len=T, checked=checked))
         bar.update()
     bar.close()
-    return {"request": asdict(request), "parameters": planner.trainable_params(),
+    return {"request": asdict(request), "budget": request.budget, "parameters": planner.trainable_params(),
             "optimizer_bytes_per_param": OPTIMIZER_BYTES_PER_PARAM, "seconds": time.perf_counter() - started,
             "peaks": peaks, "longest": longest}
 
@@ -92,14 +93,13 @@ def format_plan(result: dict) -> str:
         "| mode | method | T | weights | grads | optimizer | activations | total | host | fits | phase |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    budget = req["memory"] - req["reserve"]
+    budget = result["budget"]
     for p in result["peaks"]:
-        peak = Peak(**{k: v for k, v in p.items() if k != "mode"})
         lines.append(
             f"| {p['mode']} | {LABELS[p['method']]} | {p['seq_len']:,}{'' if p['probed'] else '*'} | "
-            f"{_gib(peak.weights)} | {_gib(peak.grads)} | {_gib(peak.optimizer)} | {_gib(peak.activations)} | "
-            f"{_gib(peak.total)} | {_gib(peak.host) if peak.host else '-'} | {'yes' if peak.total <= budget else 'no'} | "
-            f"{peak.phase} |")
+            f"{_gib(p['weights'])} | {_gib(p['grads'])} | {_gib(p['optimizer'])} | {_gib(p['activations'])} | "
+            f"{_gib(p['total'])} | {_gib(p['host']) if p['host'] else '-'} | {'yes' if p['total'] <= budget else 'no'} | "
+            f"{p['phase']} |")
     lines += ["", f"Longest sequence that fits {_gib(budget)} GiB (a multiple of 256; * = from the phases' lines, a "
                   "fake step at that T too long to run):", "",
               "| method | " + " | ".join(f"{m} T" for m in req["modes"]) + " |",
@@ -119,9 +119,7 @@ def write_plan(result: dict, out_dir: str | Path) -> Path:
         w = csv.DictWriter(f, fieldnames=["mode", "method", "seq_len", "weights", "grads", "optimizer", "activations",
                                           "total", "host", "probed", "phase"])
         w.writeheader()
-        for p in result["peaks"]:
-            peak = Peak(**{k: v for k, v in p.items() if k != "mode"})
-            w.writerow({**{k: p[k] for k in w.fieldnames if k in p}, "total": peak.total})
+        w.writerows({k: p[k] for k in w.fieldnames} for p in result["peaks"])
     (out / "plan.md").write_text(format_plan(result) + "\n")
     _plot(result, out / "plan.png")
     return out
@@ -136,13 +134,13 @@ def _plot(result: dict, path: Path) -> None:
     req = result["request"]
     modes = req["modes"]
     fig, axes = plt.subplots(1, len(modes), figsize=(6.2 * len(modes), 4.4), squeeze=False)
-    budget = (req["memory"] - req["reserve"]) / GiB
+    budget = result["budget"] / GiB
     longest = {(r["mode"], r["method"]): r["max_seq_len"] for r in result["longest"]}
     for ax, mode in zip(axes[0], modes):
         for method in req["methods"]:
             rows = [p for p in result["peaks"] if p["mode"] == mode and p["method"] == method]
             xs = [p["seq_len"] for p in rows]
-            ys = [Peak(**{k: v for k, v in p.items() if k != "mode"}).total / GiB for p in rows]
+            ys = [p["total"] / GiB for p in rows]
             line, = ax.plot(xs, ys, marker="o", label=f"{LABELS[method]} (max {longest[(mode, method)]:,})")
             if longest[(mode, method)]:
                 ax.axvline(longest[(mode, method)], color=line.get_color(), linestyle=":", linewidth=1)

@@ -178,6 +178,7 @@ class Planner:
     _lines: dict = field(default_factory=dict, repr=False)
     _resident: MemoryReport | None = field(default=None, repr=False)
     _steps: dict = field(default_factory=dict, repr=False)  # (method, T) -> the fake step's report
+    _trainable: int | None = field(default=None, repr=False)
     _mode: object = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -269,12 +270,16 @@ class Planner:
         return Peak(method, T, report.params, report.grads, opt, report.activations, report.host, probed, phase)
 
     def trainable_params(self) -> int:
-        """Trainable parameters of the full-depth model (all, or the LoRA adapters), from the depth line."""
-        counts = [sum(p.numel() for p in self._model(d).parameters() if p.requires_grad) for d in self.depths]
-        if len(counts) == 1:
-            return counts[0]
-        (d1, d2), (c1, c2) = self.depths, counts
-        return c1 + (self.layers - d1) * (c2 - c1) // (d2 - d1)
+        """Trainable parameters of the full-depth model (all, or the LoRA adapters), from the depth line
+        (counted once: every optimizer-step peak needs it)."""
+        if self._trainable is None:
+            counts = [sum(p.numel() for p in self._model(d).parameters() if p.requires_grad) for d in self.depths]
+            if len(counts) == 1:
+                self._trainable = counts[0]
+            else:
+                (d1, d2), (c1, c2) = self.depths, counts
+                self._trainable = c1 + (self.layers - d1) * (c2 - c1) // (d2 - d1)
+        return self._trainable
 
     # -- the line in T -----------------------------------------------------------------------------
     def lines(self, method: str, progress=None) -> Lines:
