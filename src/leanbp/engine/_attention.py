@@ -9,11 +9,11 @@ max(0, s - window + 1) for a sliding window. The keys split into two blocks:
   coincide, so ``is_causal=True`` is right (PyTorch's is_causal is top-left aligned, which would be
   wrong for a q_len < kv_len call).
 
-Each block runs the fused CPU flash kernel, which also returns its log-sum-exp; the two results
-are merged with their log-sum-exps. Backward runs the kernel's backward once per block with the
-*merged* output and log-sum-exp, which gives each block's exact share of the gradient.
-On other devices (or with ``LEANBP_ATTENTION=mask``) a single SDPA call with a boolean
-(B, 1, c, kv) mask is used instead.
+Each block runs a fused kernel that also returns its log-sum-exp (``_attention_backends.py``: the
+CPU flash kernel, or CUDA's flash / memory-efficient kernels); the results are merged with their
+log-sum-exps. Backward runs the kernel's backward once per block with the *merged* output and
+log-sum-exp, which gives each block's exact share of the gradient. On other devices (or with
+``LEANBP_ATTENTION=mask``) a single SDPA call with a boolean (B, 1, c, kv) mask is used instead.
 
 Packed rows (several documents in one row, each attending only to itself, as transformers does
 when ``position_ids`` restart and there is no attention mask) need no mask either: a chunk splits
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ._attention_backends import FUSED_DEVICES, backend_for
 from ._values import has_values
 
 
@@ -198,70 +199,77 @@ def _visible(allowed: torch.Tensor | None) -> torch.Tensor | None:
     return allowed.any(-1)
 
 
-_flash_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+def _key_blocks(keys: int, block_rows: int | None) -> list[tuple[int, int]]:
+    step = block_rows or max(keys, 1)
+    return [(b0, min(b0 + step, keys)) for b0 in range(0, keys, step)]
 
 
 class _TwoBlockAttention(torch.autograd.Function):
+    """The chunk's own rows and its prefix as separate key blocks of one attention, merged by their
+    log-sum-exps (the prefix in pieces of ``backend.block_rows`` keys where the backend asks)."""
+
     @staticmethod
-    def forward(ctx, query, prefix_key, prefix_value, key, value, prefix_allowed, own_allowed, scale,
+    def forward(ctx, query, prefix_key, prefix_value, key, value, prefix_allowed, own_allowed, scale, backend,
                 sink=None, sink_start=0, sink_rows=slice(None)):
         dtype = query.dtype
         own_bias = _bias(own_allowed, dtype)
-        own_out, own_lse = _flash_fwd(query, key, value, 0.0, own_bias is None, attn_mask=own_bias, scale=scale)
-        blocks = [(key, value, own_bias, own_bias is None, _visible(own_allowed), own_out, own_lse)]
+        own_out, own_lse = backend.forward(query, key, value, own_bias is None, own_bias, scale)
+        blocks = [(own_out, own_lse, _visible(own_allowed))]
+        pre_bias = None
         if prefix_key is not None:
             pre_bias = _bias(prefix_allowed, dtype)
-            pre_out, pre_lse = _flash_fwd(query, prefix_key, prefix_value, 0.0, False, attn_mask=pre_bias, scale=scale)
-            blocks.append((prefix_key, prefix_value, pre_bias, False, _visible(prefix_allowed), pre_out, pre_lse))
-
-        if len(blocks) == 1:
-            out, lse = own_out, own_lse
+            for b0, b1 in _key_blocks(prefix_key.shape[2], getattr(backend, "block_rows", None)):
+                blocks.append((*backend.forward(query, prefix_key[:, :, b0:b1], prefix_value[:, :, b0:b1], False,
+                                                None if pre_bias is None else pre_bias[..., b0:b1], scale),
+                               _visible(None if prefix_allowed is None else prefix_allowed[..., b0:b1])))
+        if len(blocks) == 1:  # (rows that see nothing: lse 0, as the merge below gives them)
+            out, lse = own_out, own_lse.masked_fill(torch.isinf(own_lse), 0.0)
         else:
-            # a block that a row cannot see contributes nothing (the kernel reports lse = 0 there)
-            lses = [l if vis is None else l.masked_fill(~vis, float("-inf"))
-                    for *_, vis, _, l in blocks]
-            lse = torch.logaddexp(lses[0], lses[1])  # (B, H, c)
+            # a block that a row cannot see contributes nothing (a kernel may report any lse there)
+            lses = [l if vis is None else l.masked_fill(~vis, float("-inf")) for _, l, vis in blocks]
+            lse = torch.logsumexp(torch.stack(lses), dim=0)  # (B, H, c)
             lse = lse.masked_fill(torch.isinf(lse), 0.0)  # rows that see nothing: output 0, as SDPA
             acc = torch.promote_types(dtype, torch.float32)
-            out = sum(o.to(acc) * torch.exp(l - lse).unsqueeze(-1) for (*_, o, _), l in zip(blocks, lses))
+            out = sum(o.to(acc) * torch.exp(l - lse).unsqueeze(-1) for (o, _, _), l in zip(blocks, lses))
             out = out.to(dtype)
-        ctx.scale = scale
+        ctx.scale, ctx.backend = scale, backend
         ctx.sink, ctx.sink_start, ctx.sink_rows = sink, sink_start, sink_rows
-        ctx.causal = [b[3] for b in blocks]
-        ctx.save_for_backward(query, out, lse, *[t for b in blocks for t in b[:3]])
+        ctx.own_causal = own_bias is None
+        ctx.save_for_backward(query, out, lse, key, value, own_bias, prefix_key, prefix_value, pre_bias)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, out, lse, *flat = ctx.saved_tensors
+        query, out, lse, key, value, own_bias, pk, pv, pbias = ctx.saved_tensors
+        backend, scale = ctx.backend, ctx.scale
         grad_out = grad_out.contiguous()
-        k, v, bias = flat[:3]
-        dq, dk, dv = _flash_bwd(grad_out, query, k, v, out, lse, 0.0, ctx.causal[0], attn_mask=bias, scale=ctx.scale)
+        dq, dk, dv = backend.backward(grad_out, query, key, value, out, lse, ctx.own_causal, own_bias, scale)
         dpk = dpv = None
-        if len(ctx.causal) > 1:
-            pk, pv, pbias = flat[3:6]
-            if ctx.sink is None:
-                dq_p, dpk, dpv = _flash_bwd(grad_out, query, pk, pv, out, lse, 0.0, False, attn_mask=pbias,
-                                            scale=ctx.scale)
-                dq = dq + dq_p
-            else:
-                # any split of the keys is exact given the merged output and log-sum-exp
-                step = PrefixGradSink.block_rows
-                for b0 in range(0, pk.shape[2], step):
-                    b1 = min(b0 + step, pk.shape[2])
-                    dq_b, dk_b, dv_b = _flash_bwd(
-                        grad_out, query, pk[:, :, b0:b1], pv[:, :, b0:b1], out, lse, 0.0, False,
-                        attn_mask=None if pbias is None else pbias[..., b0:b1], scale=ctx.scale)
-                    dq = dq + dq_b
+        if pk is not None:
+            # any split of the keys is exact given the merged output and log-sum-exp; with a sink
+            # the prefix gradients go straight into it, one key block at a time
+            step = PrefixGradSink.block_rows if ctx.sink is not None else None
+            step = min(filter(None, (step, getattr(backend, "block_rows", None))), default=None)
+            pieces = []
+            for b0, b1 in _key_blocks(pk.shape[2], step):
+                dq_b, dk_b, dv_b = backend.backward(grad_out, query, pk[:, :, b0:b1], pv[:, :, b0:b1], out, lse,
+                                                    False, None if pbias is None else pbias[..., b0:b1], scale)
+                dq = dq + dq_b
+                if ctx.sink is not None:
                     ctx.sink.add(ctx.sink_start + b0, ctx.sink_start + b1, dk_b, dv_b, ctx.sink_rows)
-                    del dk_b, dv_b
-        return dq, dpk, dpv, dk, dv, None, None, None, None, None, None
+                else:
+                    pieces.append((dk_b, dv_b))
+                del dk_b, dv_b
+            if pieces:
+                dpk = torch.cat([k for k, _ in pieces], dim=2) if len(pieces) > 1 else pieces[0][0]
+                dpv = torch.cat([v for _, v in pieces], dim=2) if len(pieces) > 1 else pieces[0][1]
+        return dq, dpk, dpv, dk, dv, None, None, None, None, None, None, None
 
 
 def uses_two_block_attention(device: torch.device) -> bool:
-    """Chunk attention on ``device`` runs the two-block flash path (else one SDPA call with a mask)."""
-    return device.type == "cpu" and os.environ.get("LEANBP_ATTENTION", "blocks") != "mask"
+    """Chunk attention on ``device`` runs key blocks through fused kernels with their log-sum-exp
+    (CPU and CUDA; else, or with ``LEANBP_ATTENTION=mask``, one SDPA call with a mask)."""
+    return device.type in FUSED_DEVICES and os.environ.get("LEANBP_ATTENTION", "blocks") != "mask"
 
 
 def chunk_attention(query, prefix_key, prefix_value, key, value, masks: ChunkMasks, scale: float,
@@ -333,7 +341,7 @@ def _two_block(query, prefix_key, prefix_value, key, value, masks: ChunkMasks, s
         prefix_key, prefix_value = prefix_key.detach(), prefix_value.detach()
     # strided views go in as they are: the CPU flash kernel takes them without a copy
     return _TwoBlockAttention.apply(
-        query, prefix_key, prefix_value, key, value, prefix_allowed, masks.own(), scale,
+        query, prefix_key, prefix_value, key, value, prefix_allowed, masks.own(), scale, backend_for(query.device),
         sink if use_sink else None, masks.key_begin, rows,
     )
 

@@ -20,7 +20,7 @@ from ._calls import call_through
 from ._grads import AutocastState, GradSum
 from ._layer import LayerRun, StreamedLayerFunction
 from ._moe import RouterStats
-from ._offload import HostStore
+from ._offload import HostStore, to_device, to_host
 from ._values import pads_anything
 
 
@@ -44,7 +44,7 @@ def decoder_layers(adapter, chunk_rows_for, input_ids=None, inputs_embeds=None, 
     """(B, T, H) output of the last decoder layer (before the final norm), streamed, and the
     ``RouterStats`` of its mixture-of-experts layers when ``router_stats`` (else None).
     ``chunk_rows_for(hidden)`` gives the rows per chunk for the embedded input (B, T, H);
-    ``offload`` keeps each layer's input in host memory until its backward (``_offload.py``).
+    ``offload`` keeps the layer boundaries and their gradients in host memory (``_offload.py``).
 
     Packed rows: with ``position_ids`` that restart inside a row and no ``attention_mask``, every
     document attends only to itself (transformers' rule); with an attention mask the position ids
@@ -68,10 +68,7 @@ def decoder_layers(adapter, chunk_rows_for, input_ids=None, inputs_embeds=None, 
         position_ids = position_ids.to(hidden.device)
         if attention_mask is None:
             documents = Documents.from_position_ids(position_ids, B)
-    # Memory: (cos, sin), (1 or B, T, R) each, per rotary kind for the whole step (R is a head's
-    # width, 1/32 of a layer input for Qwen3-8B): computed once for all T because some rotary types
-    # (dynamic NTK, Phi3's longrope) depend on the longest position, so a chunk cannot compute its own
-    rope = adapter.position_embeddings(hidden, position_ids)  # per layer
+    rope = adapter.position_embeddings(hidden, position_ids)  # per layer (see ``Rope``: per chunk when it can)
     key_keep = None
     if pads_anything(attention_mask):
         key_keep = attention_mask.to(device=hidden.device, dtype=torch.bool)
@@ -81,14 +78,18 @@ def decoder_layers(adapter, chunk_rows_for, input_ids=None, inputs_embeds=None, 
     check_layers(adapter.layers())
     # (without a graph nothing is kept for backward: nothing to offload)
     store = HostStore(hidden.device) if offload and torch.is_grad_enabled() else None
+    if store is not None:  # Memory: the layer boundaries and their gradients wait on the host
+        hidden = to_host(hidden, store)
     for i, layer in enumerate(adapter.layers()):
         router = adapter.router(layer) if stats is not None else None
         run = LayerRun(adapter=adapter, layer=layer, window=adapter.sliding_window(i),
-                       softcap=adapter.attention_softcap(i), cos=rope[i][0], sin=rope[i][1], key_keep=key_keep,
+                       softcap=adapter.attention_softcap(i), rope=rope[i], key_keep=key_keep,
                        documents=documents, chunk_size=rows, autocast=autocast, router=router,
                        router_stats=stats if router is not None else None, offload=store)
         # the layer's own call runs the streamed layer, so engine hooks fire once per layer per step
         hidden = call_through(layer, partial(_streamed_layer, layer, run), hidden)
+    if store is not None:  # the final norm and the head take the last layer's output whole
+        hidden = to_device(hidden, store)
     return hidden, stats
 
 

@@ -28,7 +28,7 @@ from ..memory import in_phase
 from ._attention import ChunkMasks, Documents, PrefixGradSink, key_start
 from ._grads import AutocastState, GradSum
 from ._moe import RouterStats
-from ._offload import HostStore, backward_ranges
+from ._offload import HostStore, backward_reads
 
 
 @dataclass
@@ -39,15 +39,14 @@ class LayerRun:
     layer: nn.Module
     window: int | None
     softcap: float | None  # attention logit soft-capping
-    cos: torch.Tensor  # (1 or B, T, R): R rotary dims (R < head dim with partial rotary)
-    sin: torch.Tensor
+    rope: object  # models.Rope: (cos, sin) of rows [s, e), (1 or B, e - s, R), R rotary dims
     key_keep: torch.Tensor | None  # (B, T) bool, None when nothing is padded
     documents: Documents | None  # packed rows, None when every row is one sequence
     chunk_size: int
     autocast: AutocastState
     router: object = None  # models.Router of a mixture-of-experts layer whose statistics are asked for
     router_stats: RouterStats | None = None
-    offload: HostStore | None = None  # where the layer input waits for backward (None: on the device)
+    offload: HostStore | None = None  # the layer's input, output and their gradients live on the host
 
     def chunks(self, length: int) -> list[tuple[int, int]]:
         return [(s, min(s + self.chunk_size, length)) for s in range(0, length, self.chunk_size)]
@@ -65,7 +64,7 @@ class LayerRun:
         masks = ChunkMasks(start, end, self.key_begin(start), self.window, self.key_keep, hidden_c.device,
                            self.documents)
         return self.adapter.chunk_forward(
-            self.layer, hidden_c, prefix_key, prefix_value, self.cos[:, start:end], self.sin[:, start:end], masks,
+            self.layer, hidden_c, prefix_key, prefix_value, *self.rope.rows(start, end), masks,
             sink, self.softcap, self.router if self.router_stats is not None else None,
         )
 
@@ -74,31 +73,48 @@ class StreamedLayerFunction(torch.autograd.Function):
     @staticmethod
     @in_phase("layer forward")
     def forward(ctx, hidden: torch.Tensor, run: LayerRun, *params: torch.Tensor):
-        # Memory: the output (B, T, H) is the next layer's input (or the head's); the K/V buffers
-        # (B, Hkv, T, D) hold every row's K/V because each chunk attends to all rows before it
-        out = torch.empty_like(hidden)
+        chunks = run.chunks(hidden.shape[1])
+        if run.offload is not None:  # hidden and out are host tensors; chunks move to the device and back
+            reader = run.offload.reader([(hidden, s, e) for s, e in chunks])
+            out = run.offload.empty(hidden.shape, hidden.dtype)
+
+            def rows(s, e):
+                return reader.take(hidden, s, e)
+
+            def write(s, e, block):
+                run.offload.write(out, s, e, block)
+        else:
+            # Memory: the output (B, T, H) is the next layer's input (or the head's)
+            out = torch.empty_like(hidden)
+
+            def rows(s, e):
+                return hidden[:, s:e]
+
+            def write(s, e, block):
+                out[:, s:e] = block
+        # Memory: the K/V buffers (B, Hkv, T, D) hold every row's K/V because each chunk attends to
+        # all rows before it
         key_buf = value_buf = None  # filled chunk by chunk
         prob_sum = None  # (E,) router probabilities summed over the rows, when asked for
         with torch.no_grad():
-            for s, e in run.chunks(hidden.shape[1]):
+            for s, e in chunks:
                 kb = run.key_begin(s)
                 prefix = (key_buf[:, :, kb:s], value_buf[:, :, kb:s]) if s > kb else (None, None)
-                out[:, s:e], key_c, value_c, logits = run.chunk_out(hidden[:, s:e], *prefix, s, e)
+                out_c, key_c, value_c, logits = run.chunk_out(rows(s, e), *prefix, s, e)
+                write(s, e, out_c)
+                del out_c  # Memory: one chunk's output at a time
                 if run.router_stats is not None:  # routings counted and probabilities summed
                     chunk_sum = run.router_stats.chunk_prob_sum(logits, s, e, run.router)
                     prob_sum = chunk_sum if prob_sum is None else prob_sum + chunk_sum
-                    del logits  # Memory: one chunk's router logits at a time
+                del logits  # Memory: one chunk's router logits at a time
                 if key_buf is None:
                     key_buf = key_c.new_empty((*key_c.shape[:2], hidden.shape[1], key_c.shape[3]))
                     value_buf = value_c.new_empty((*value_c.shape[:2], hidden.shape[1], value_c.shape[3]))
                 key_buf[:, :, s:e], value_buf[:, :, s:e] = key_c, value_c
-        # Memory: the layer input is the only activation kept until backward (in host memory with
-        # offload: the device copy dies when the caller drops it).
         if run.offload is not None:
-            ctx.slot = run.offload.put(hidden, backward_ranges(run.chunks(hidden.shape[1])))
-            ctx.save_for_backward(*params)
-        else:
-            ctx.save_for_backward(hidden, *params)
+            run.offload.finish()  # out is complete before autograd hands it on
+        # Memory: the layer input is the only activation kept until backward (on the host with offload)
+        ctx.save_for_backward(hidden, *params)
         ctx.run = run
         return out if prob_sum is None else (out, prob_sum)
 
@@ -106,23 +122,27 @@ class StreamedLayerFunction(torch.autograd.Function):
     @in_phase("layer backward")
     def backward(ctx, grad_out: torch.Tensor, grad_prob_sum: torch.Tensor | None = None):
         run: LayerRun = ctx.run
-        if run.offload is not None:
-            params, hidden = list(ctx.saved_tensors), None
-            T = grad_out.shape[1]
-
-            def rows(s, e):  # (B, e - s, H), copied back from the host in backward_ranges order
-                return run.offload.rows(ctx.slot, s, e)
-        else:
-            hidden, *params = ctx.saved_tensors
-            T = hidden.shape[1]
+        hidden, *params = ctx.saved_tensors
+        T = hidden.shape[1]
+        chunks = run.chunks(T)
+        grad_out = grad_out.contiguous()
+        if run.offload is not None:  # hidden and grad_out are host tensors: rows come in planned order
+            reader = run.offload.reader(backward_reads(hidden, grad_out, chunks))
 
             def rows(s, e):
+                return reader.take(hidden, s, e)
+
+            def grad_rows(s, e):
+                return reader.take(grad_out, s, e)
+        else:
+            def rows(s, e):
                 return hidden[:, s:e]
+
+            def grad_rows(s, e):
+                return grad_out[:, s:e]
         need_input = ctx.needs_input_grad[0]
         trainable = [p for p, need in zip(params, ctx.needs_input_grad[2:]) if need]
         grads = GradSum(trainable)
-        chunks = run.chunks(T)
-        grad_out = grad_out.contiguous()
 
         # Prefix K/V for every chunk, computed once without a graph, chunk by chunk (the last chunk's
         # own rows are never a prefix, so they are skipped). Memory: only one chunk's projection
@@ -131,7 +151,7 @@ class StreamedLayerFunction(torch.autograd.Function):
         key = value = None
         for s, e in chunks[:-1]:
             with torch.no_grad(), run.autocast():
-                key_b, value_b = run.adapter.key_value(run.layer, rows(s, e), run.cos[:, s:e], run.sin[:, s:e])
+                key_b, value_b = run.adapter.key_value(run.layer, rows(s, e), *run.rope.rows(s, e))
             if key is None:
                 key = key_b.new_empty((*key_b.shape[:2], prefix_rows, key_b.shape[3]))
                 value = value_b.new_empty((*value_b.shape[:2], prefix_rows, value_b.shape[3]))
@@ -157,7 +177,7 @@ class StreamedLayerFunction(torch.autograd.Function):
                 prob_sum_c = None
                 if grad_prob_sum is not None:  # the load-balancing loss's share of this chunk
                     prob_sum_c = run.router_stats.chunk_prob_sum(logits, s, e)
-            outputs, grad_outputs = [out_c], [grad_out[:, s:e]]
+            outputs, grad_outputs = [out_c], [grad_rows(s, e)]
             if prob_sum_c is not None and prob_sum_c.requires_grad:  # (not with a frozen router and input)
                 outputs.append(prob_sum_c)
                 grad_outputs.append(grad_prob_sum)
@@ -169,8 +189,11 @@ class StreamedLayerFunction(torch.autograd.Function):
             prefix = [t for t in (prefix_key, prefix_value) if t is not None and key_c.requires_grad]
             inputs = ([hidden_c] if need_input else []) + prefix + trainable
             g = list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True))
-            if need_input:
-                dhidden[:, s:e] = g.pop(0)  # final: no other chunk reaches rows [s, e)
+            if need_input:  # final: no other chunk reaches rows [s, e)
+                if run.offload is not None:
+                    run.offload.write(dhidden, s, e, g.pop(0))
+                else:
+                    dhidden[:, s:e] = g.pop(0)
             if prefix:
                 dprefix_key, dprefix_value = g.pop(0), g.pop(0)
                 if dprefix_key is not None:  # the single-SDPA path returns them instead of sinking them
@@ -179,5 +202,7 @@ class StreamedLayerFunction(torch.autograd.Function):
             grads.add(g)
             del out_c, key_c, value_c, logits, prob_sum_c, g
 
+        if run.offload is not None:
+            run.offload.finish()  # dhidden is complete before autograd hands it on
         it = iter(grads.result())
         return (dhidden, None, *[next(it) if need else None for need in ctx.needs_input_grad[2:]])

@@ -1,18 +1,24 @@
-"""Host offload of the layer inputs (``leanbp.stream(model, offload=True)``).
+"""Host offload of the hidden states between decoder layers (``leanbp.stream(model, offload=True)``).
 
-A streamed step keeps one tensor per decoder layer from the layer's forward to its backward: its
-input (B, T, H), 288 KiB per token for Qwen3-8B in bf16. With offload that tensor waits in host
-memory instead, and it never comes back whole: a layer's backward reads its input in row blocks
-(the chunks, in the order ``backward_ranges`` gives), each copied to the device just before it is
-needed. The device holds the weights, the gradients and one layer's working set; the host holds
-L x B x T x H.
+A streamed step keeps one tensor per decoder layer from the layer's forward to its backward, its
+input (B, T, H), 288 KiB per token for Qwen3-8B in bf16, and in backward hands one (B, T, H)
+gradient from layer to layer. With offload both live in host memory: the streamed layers take and
+return host tensors, so autograd itself carries the layer boundaries and their gradients on the
+host (a Function's gradient lives where its input does), and a layer moves only row blocks to the
+device:
 
-Forward: when a layer has run, its input is copied to a pinned host buffer on a side stream, and
-the device copy is released once that copy is done (the caller drops its reference; the allocator
-is told the side stream still reads it). Backward: taking a block waits for its copy and starts the
-copy of the next block in backward order (one block ahead, across layer boundaries too), so the
-transfers overlap the chunks' compute.
+* forward: its input chunk by chunk, each chunk's output written straight back to the host;
+* backward: the rows it needs in the order it needs them (``backward_reads``: the prefix rows for
+  their K/V, then each chunk's input and output gradient, last chunk first), each chunk's input
+  gradient written back over the output gradient rows it replaces.
 
+The device holds the weights, their gradients and one layer's working set (its K/V and their
+gradients, one chunk's recompute). The embedding output goes to the host before the first layer
+(``to_host``); the last layer's output comes back whole for the final norm and the head
+(``to_device``), and its gradient goes back to the host.
+
+Copies run on a side stream, one block ahead of the compute that needs them; every Function waits
+for its last copy before it returns, so a host tensor handed to autograd is always complete.
 On CPU "device" and "host" are the same memory, but the store still copies both ways, the same
 calls in the same order, so exactness and ordering are tested without a GPU; ``leanbp.memory``
 counts the host side apart on every device.
@@ -25,83 +31,126 @@ import torch
 from ..memory import count_host_storage, host_allocations
 
 
-def backward_ranges(chunks: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The row blocks a streamed layer's backward reads, in order: the prefix rows block by block
-    (for their K/V; the last chunk is never a prefix), then every chunk from last to first."""
-    return chunks[:-1] + chunks[::-1]
-
-
-class _Slot:
-    """One layer input in host memory and the blocks its backward will read, in order."""
-
-    def __init__(self, host: torch.Tensor, device: torch.device, ranges: list[tuple[int, int]]):
-        self.host = host
-        self.device = device
-        self.ranges = ranges
-        self.next = 0  # index into ranges of the next block to be read
+def backward_reads(hidden: torch.Tensor, grad_out: torch.Tensor, chunks: list[tuple[int, int]]):
+    """The host row blocks a streamed layer's backward reads, in order: the prefix rows block by
+    block (for their K/V; the last chunk is never a prefix), then, from the last chunk to the
+    first, the chunk's input rows and its output gradient rows."""
+    return [(hidden, s, e) for s, e in chunks[:-1]] + \
+        [(t, s, e) for s, e in reversed(chunks) for t in (hidden, grad_out)]
 
 
 class HostStore:
-    """The offloaded layer inputs of one streamed forward call, in layer order."""
+    """Host tensors of one streamed forward call and the copies between them and the device."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.cuda = device.type == "cuda"
         self.side = torch.cuda.Stream(device) if self.cuda else None
-        self._slots: list[_Slot | None] = []
-        self._ahead = None  # (slot index, range index, device block, ready event): the prefetched block
 
-    def put(self, hidden: torch.Tensor, ranges: list[tuple[int, int]]) -> int:
-        """Start copying ``hidden`` (B, T, H) to the host; returns its slot. The caller must not
-        keep ``hidden``: dropping it is what frees the device memory."""
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor (pinned on CUDA, for asynchronous copies), counted as host memory."""
         with host_allocations():
-            host = torch.empty(hidden.shape, dtype=hidden.dtype, device="cpu", pin_memory=self.cuda)
+            host = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.cuda)
         count_host_storage(host)
-        if self.cuda:
-            self.side.wait_stream(torch.cuda.current_stream(hidden.device))  # hidden is written
-            with torch.cuda.stream(self.side):
-                host.copy_(hidden, non_blocking=True)
-            hidden.record_stream(self.side)  # Memory: its block is reused only after the copy
-        else:
-            host.copy_(hidden)
-        self._slots.append(_Slot(host, hidden.device, ranges))
-        return len(self._slots) - 1
+        return host
 
-    def _copy_in(self, slot: _Slot, start: int, end: int):
-        """(device block, ready event) of rows [start, end), the copy started now."""
+    def write(self, host: torch.Tensor, start: int, end: int, block: torch.Tensor) -> None:
+        """Copy the device ``block`` into rows [start, end) of ``host``, after the compute that made it."""
         if not self.cuda:
-            return slot.host[:, start:end].to(slot.device, copy=True), None
-        # (ordered after the host copy's write: the same side stream)
+            host[:, start:end].copy_(block)
+            return
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.side):
-            block = slot.host[:, start:end].to(slot.device, non_blocking=True)
+            host[:, start:end].copy_(block, non_blocking=True)
+        block.record_stream(self.side)  # Memory: the block is reused only after its copy
+
+    def to_host(self, x: torch.Tensor) -> torch.Tensor:
+        host = self.empty(x.shape, x.dtype)
+        self.write(host, 0, x.shape[1], x)
+        self.finish()
+        return host
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return host.to(self.device, copy=True, non_blocking=self.cuda)
+
+    def reader(self, reads: list[tuple[torch.Tensor, int, int]]) -> "BlockReader":
+        return BlockReader(self, reads)
+
+    def finish(self) -> None:
+        """Wait until every copy to the host is done (before a host tensor goes to autograd)."""
+        if self.cuda:
+            self.side.synchronize()
+
+
+class BlockReader:
+    """Device copies of host row blocks taken in a planned order; taking one starts the next one's
+    copy, so each transfer overlaps the compute on the block before it."""
+
+    def __init__(self, store: HostStore, reads: list[tuple[torch.Tensor, int, int]]):
+        self._store = store
+        self._reads = reads
+        self._next = 0
+        self._ahead = self._copy_in(0)
+
+    def _copy_in(self, index: int):
+        """(device block, ready event) of planned read ``index``, its copy started now; None past the end."""
+        if index >= len(self._reads):
+            return None
+        host, start, end = self._reads[index]
+        store = self._store
+        if not store.cuda:
+            return host[:, start:end].to(store.device, copy=True), None
+        with torch.cuda.stream(store.side):  # (after every write the side stream was given before)
+            block = host[:, start:end].to(store.device, non_blocking=True)
             ready = torch.cuda.Event()
-            ready.record(self.side)
+            ready.record(store.side)
         return block, ready
 
-    def rows(self, index: int, start: int, end: int) -> torch.Tensor:
-        """Rows [start, end) of slot ``index`` on the device: the slot's next planned block."""
-        slot = self._slots[index]
-        if slot is None or slot.next >= len(slot.ranges) or slot.ranges[slot.next] != (start, end):
-            raise RuntimeError("offloaded layer input read out of order (a second backward through the graph "
-                               "needs offload=False)")
-        if self._ahead is not None and self._ahead[:2] == (index, slot.next):
-            block, ready = self._ahead[2:]
-        else:
-            block, ready = self._copy_in(slot, start, end)
-        self._ahead = None
+    def take(self, host: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) of ``host`` on the device: the next planned read."""
+        if self._next >= len(self._reads) or self._reads[self._next][0] is not host or \
+                self._reads[self._next][1:] != (start, end):
+            raise RuntimeError(f"host rows [{start}, {end}) read out of the planned order")
+        block, ready = self._ahead
+        self._next += 1
+        self._ahead = self._copy_in(self._next)
         if ready is not None:
-            stream = torch.cuda.current_stream(slot.device)
+            stream = torch.cuda.current_stream(self._store.device)
             stream.wait_event(ready)
             block.record_stream(stream)  # allocated on the side stream, used on this one
-        slot.next += 1
-        if slot.next == len(slot.ranges):
-            self._slots[index] = None  # Memory: the host copy is read for the last time
-        self._prefetch(index)
         return block
 
-    def _prefetch(self, index: int) -> None:
-        """Start copying the block that backward reads next: this slot's, or the first of the layer below."""
-        for i in (index, index - 1):
-            slot = self._slots[i] if i >= 0 else None
-            if slot is not None and slot.next < len(slot.ranges):
-                self._ahead = (i, slot.next, *self._copy_in(slot, *slot.ranges[slot.next]))
-                return
+
+class _ToHost(torch.autograd.Function):
+    """The embedding output moves to the host before the first streamed layer."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, store: HostStore):
+        ctx.store = store
+        return store.to_host(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.store.to_device(grad), None
+
+
+class _ToDevice(torch.autograd.Function):
+    """The last layer's output comes back whole for the final norm and the head; its gradient
+    goes to the host for the layers' backward."""
+
+    @staticmethod
+    def forward(ctx, host: torch.Tensor, store: HostStore):
+        ctx.store = store
+        return store.to_device(host)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.store.to_host(grad), None
+
+
+def to_host(x: torch.Tensor, store: HostStore) -> torch.Tensor:
+    return _ToHost.apply(x, store)
+
+
+def to_device(host: torch.Tensor, store: HostStore) -> torch.Tensor:
+    return _ToDevice.apply(host, store)

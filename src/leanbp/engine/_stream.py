@@ -61,7 +61,7 @@ class StreamConfig:
     eval_logits: a ``labels`` call without gradients in eval mode (``Trainer.evaluate``/``predict``)
         also returns the full logits, as transformers does; False keeps such calls loss-only
         (no (T, V) logits at all, for evaluation at long T).
-    offload: keep each decoder layer's input in host memory between its forward and its backward
+    offload: keep the hidden states between decoder layers, and their gradients, in host memory
         (``_offload.py``); the gradients are the same, bit for bit.
     """
 
@@ -147,7 +147,8 @@ def stream(model: nn.Module, chunk_size: int | str = 1024, head_chunk_size: int 
     after ``get_peft_model`` or a TRL trainer's setup. Calls with ``labels`` return ``loss`` (and
     ``logits=None`` in training); TRL's fused-head calls return per-token log-probs; both are
     chunked. ``layers=False`` chunks only the LM head and leaves the decoder to transformers;
-    ``offload`` keeps the layer inputs in host memory until backward (same gradients, bit for bit).
+    ``offload`` keeps the hidden states between layers and their gradients in host memory (same
+    gradients, bit for bit).
     Returns ``model``. Undo with :func:`unstream`.
     """
     config = StreamConfig(chunk_size=chunk_size, head_chunk_size=head_chunk_size, layers=layers,

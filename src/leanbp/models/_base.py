@@ -81,6 +81,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.to(x.dtype)  # (OLMo2's rotary embedding is float32 for a bf16 model; x keeps its dtype)
 
 
+# rotary types whose (cos, sin) at a position depend on that position only; the others (dynamic
+# NTK, longrope) rescale every position by the longest one in the call
+_POSITION_LOCAL_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+class Rope:
+    """(cos, sin) of a layer's rotary embedding for rows [start, end) of the streamed call, each
+    (1 or B, end - start, R).
+
+    Memory: for a position-local rotary type nothing of length T is kept: each chunk computes its
+    own rows from its position ids (the same values, element for element, as one call over all
+    rows). Other types (dynamic NTK, longrope) depend on the longest position, so their tables are
+    computed once for all T and sliced."""
+
+    def __init__(self, rotary: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor, *kind):
+        rope_type = getattr(rotary, "rope_type", None)
+        if isinstance(rope_type, dict):  # one rotary module for several layer kinds (Gemma3)
+            rope_type = rope_type.get(kind[0]) if kind else None
+        self._rotary, self._kind = rotary, kind
+        self._position_ids = position_ids  # (1 or B, T)
+        self._like = hidden.new_empty(0)  # the device and dtype the rotary embedding reads from its input
+        self._table = None if rope_type in _POSITION_LOCAL_ROPE else rotary(hidden, position_ids, *kind)
+
+    def rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._table is not None:
+            cos, sin = self._table
+            return cos[:, start:end], sin[:, start:end]
+        return self._rotary(self._like, self._position_ids[:, start:end], *self._kind)
+
+
 def rms_norm_full_precision(module: nn.Module, hidden: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
     """transformers' RMSNorm computes in float32 even for a float64 model; here float64 stays
     float64 (``offset`` 1: the Gemma form, scale 1 + weight, applied before the cast back)."""
@@ -142,11 +172,9 @@ class FamilyAdapter(ABC):
         return [f"attention_dropout={dropout}"] if dropout > 0 else []
 
     # -- per-layer attention ----------------------------------------------------------------------
-    def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> list[tuple]:
-        """(cos, sin) for every layer, each (1 or B, T, R); layers that share them share the tensors
-        (computed once per forward)."""
-        cos_sin = self.backbone().rotary_emb(hidden, position_ids)
-        return [cos_sin] * len(self.layers())
+    def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> list[Rope]:
+        """The rotary embedding of every layer for this call's (1 or B, T) position ids."""
+        return [Rope(self.backbone().rotary_emb, hidden, position_ids)] * len(self.layers())
 
     #: one sliding window for every layer, from ``config.sliding_window`` (Mistral, Phi3); else
     #: each attention module's own ``sliding_window`` (per-layer kinds: Qwen2, Gemma)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import transformers
 
 from ..engine import _softcap_attention as softcap_attention
-from ._base import DecoderAdapter
+from ._base import DecoderAdapter, Rope
 
 
 class Gemma2Adapter(DecoderAdapter):
@@ -76,7 +76,7 @@ class Gemma3Adapter(Gemma2Adapter):
     def position_embeddings(self, hidden, position_ids):
         rotary = self.backbone().rotary_emb
         kinds = self.config.layer_types
-        per_kind = {kind: rotary(hidden, position_ids, kind) for kind in set(kinds)}
+        per_kind = {kind: Rope(rotary, hidden, position_ids, kind) for kind in set(kinds)}
         return [per_kind[kind] for kind in kinds]
 
     @classmethod
