@@ -315,6 +315,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
         engine.export(out / checkpoints.FINAL)
     if state["losses"] and engine.is_main:
         plot_losses(state["losses"], out / "loss.png")
+    engine.close()
     return state
 
 

@@ -43,7 +43,7 @@ def _add_train(sub):
                    help="labelled rows per chunk in the LM head + loss")
     p.add_argument("--no-stream", action="store_true", help="plain autograd (baseline)")
     p.add_argument("--offload", action="store_true",
-                   help="keep each decoder layer's input in host memory between its forward and its backward "
+                   help="keep the hidden states between decoder layers, and their gradients, in host memory "
                         "(same gradients; the device then holds one layer's working set)")
     p.add_argument("--approx", choices=["none", "act", "norm", "both"], default="none",
                    help="opt in to Approx-BP (act: ReSiLU2/ReGELU2, approximate gradients) and/or MS-BP "
@@ -83,7 +83,7 @@ def _add_bench(sub):
     p.add_argument("--timed-steps", type=int, default=3, help="stream and trl suites: steps timed per case (median)")
     p.add_argument("--methods", default="plain,ckpt,leanbp",
                    help='stream suite: comma-separated plain, ckpt, leanbp, leanbp_auto (chunk_size="auto"), leanbp_offload '
-                        '(layer inputs in host memory, reported in a host column)')
+                        '(hidden states between layers and their gradients in host memory, reported in a host column)')
     p.add_argument("--model", default="qwen3", choices=BENCH_MODELS,
                    help="stream suite: the bench shape as a Qwen3 (default), Gemma3 (3 sliding-window layers of "
                         "1024 + 1 global) or Qwen3-MoE (8 experts, top 2, load-balancing loss on) model")

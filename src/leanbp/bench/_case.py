@@ -14,7 +14,7 @@ import time
 import torch
 
 # head: transformers' decoder + leanbp's chunked loss; leanbp_auto: leanbp with chunk_size="auto";
-# leanbp_offload: leanbp with the layer inputs in host memory (its host bytes are reported apart)
+# leanbp_offload: leanbp with the hidden states between layers in host memory (its host bytes are reported apart)
 METHODS = ("plain", "ckpt", "leanbp", "leanbp_auto", "leanbp_offload", "head")
 APPROX = ("none", "act", "norm", "both")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

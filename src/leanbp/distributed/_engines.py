@@ -116,14 +116,25 @@ class Engine:
         if self.is_main:
             self.model.save_pretrained(folder, state_dict=state)
 
+    def close(self) -> None:
+        """Release what the engine set up, once the run is done (called on every rank)."""
+
 
 class _Distributed(Engine):
     def __init__(self, device: torch.device):
         super().__init__(device)
-        if not dist.is_initialized():
+        self._owns_group = not dist.is_initialized()  # (a group the caller made stays theirs)
+        if self._owns_group:
             backend = "nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, timeout=timedelta(minutes=30))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    def close(self) -> None:
+        # a process that exits with its gloo group alive can abort in the group's threads
+        # ("terminate called without an active exception") after the run has finished
+        if self._owns_group and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
 
     def sum(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=self._comm_device())

@@ -24,8 +24,8 @@ def stream_trainer(trainer, chunk_size: int | str = StreamConfig.chunk_size,
                    head_chunk_size: int = StreamConfig.head_chunk_size, chunk_memory: int | None = None,
                    offload: bool = False):
     """Stream ``trainer.model`` and ``trainer.ref_model`` (when the trainer has a separate one), and
-    switch the trainer's activation checkpointing off; ``offload`` keeps the layer inputs in host
-    memory until backward (a reference model, which builds no graph, keeps nothing). Returns the trainer."""
+    switch the trainer's activation checkpointing off; ``offload`` keeps the hidden states between
+    layers and their gradients in host memory (a reference model, which builds no graph, keeps nothing). Returns the trainer."""
     for name in ("activation_checkpointing", "gradient_checkpointing"):  # transformers 5 keeps both fields
         if getattr(trainer.args, name, False):
             setattr(trainer.args, name, False)

@@ -6,7 +6,7 @@ often a module is called, so chunked and recomputing engines are measured like a
 The same mode counts a step run on fake tensors (``FakeTensorMode``, no values, no memory), which is
 how ``leanbp plan`` predicts a device it does not have.
 
-Host memory (the layer inputs a streamed model with ``offload=True`` keeps off the device) is
+Host memory (the layer boundaries a streamed model with ``offload=True`` keeps off the device) is
 counted apart: storages made inside ``host_allocations()`` go to the host count, also on CPU where
 "device" and "host" are the same RAM, so the device side can be compared with and without offload.
 """
@@ -103,7 +103,7 @@ def count_host_storage(t: torch.Tensor) -> None:
 @dataclass(frozen=True)
 class MemoryReport:
     """Bytes. ``activations`` is the step's peak minus parameters and gradients (device side);
-    ``host`` is the peak of the host store (layer inputs offloaded by ``stream(offload=True)``)."""
+    ``host`` is the peak of host memory held for the step (``stream(offload=True)``: the layer boundaries)."""
 
     peak: int
     params: int
