@@ -67,6 +67,16 @@ def test_two_processes_train_the_weights_of_one(tmp_path, reference, engine, res
     assert worst <= tol, worst
 
 
+def test_fsdp2_with_host_offload_trains_the_weights_of_one(tmp_path, reference):
+    """Offload hands the sharded layers host tensors (FSDP2's hooks see them as the layers' inputs);
+    the weights are still those of one process."""
+    out = tmp_path / "fsdp2_offload"
+    _train(out, "--nproc", "2", "--engine", "fsdp2", "--offload", "--steps", "3")
+    weights = _weights(out / "final")
+    worst = max(((weights[n] - r).norm() / r.norm()).item() for n, r in reference.items())
+    assert worst <= 1e-12, worst
+
+
 def test_engines_other_than_single_need_several_processes(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "leanbp", "train", "--engine", "ddp", "--steps", "1",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
