@@ -9,7 +9,8 @@
    bar of `tests/test_families.py`) plus a small floor.
 2. Speed and memory: a Qwen3-8B-shaped stack (hidden 4096, 32/8 heads, intermediate 12288, vocab
    151936; a few layers) in bf16, one training step per method at each T (median of 3 after one
-   warm-up), gradient checkpointing against leanbp.
+   warm-up): gradient checkpointing, leanbp, and leanbp with host offload (whose copies should
+   hide behind the compute).
 
 Writes cuda_check.json (the card, torch, the date, every number) and prints a table.
 """
@@ -86,7 +87,7 @@ def timing(shape, device, layers, T, method, steps=3):
     if method == "ckpt":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
-        leanbp.stream(model)
+        leanbp.stream(model, offload=method == "leanbp_offload")
     ids = torch.randint(0, shape["vocab_size"], (1, T), device=device)
     times = []
     if device.type == "cuda":
@@ -127,12 +128,13 @@ def main(argv=None):
     result["timing"] = []
     for T in seq_lens:
         pair = {}
-        for method in ("ckpt", "leanbp"):
+        for method in ("ckpt", "leanbp", "leanbp_offload"):
             row = timing(shape, device, 2 if args.small else args.layers, T, method, steps=1 if args.small else 3)
             result["timing"].append(row)
             pair[method] = row["step_s"]
-        print(f"T={T}: ckpt {pair['ckpt']:.3f} s, leanbp {pair['leanbp']:.3f} s, "
-              f"leanbp/ckpt {pair['leanbp'] / pair['ckpt']:.3f}", flush=True)
+        print(f"T={T}: ckpt {pair['ckpt']:.3f} s, leanbp {pair['leanbp']:.3f} s "
+              f"({pair['leanbp'] / pair['ckpt']:.3f}x), leanbp + offload {pair['leanbp_offload']:.3f} s "
+              f"({pair['leanbp_offload'] / pair['ckpt']:.3f}x)", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cuda_check.json").write_text(json.dumps(result, indent=1))

@@ -183,3 +183,20 @@ def test_streamed_model_on_the_reference_backend_matches_the_cpu_kernel(monkeypa
     assert len(grads) == len(list(model.parameters()))
     for n in grads:
         torch.testing.assert_close(grads[n], grads_ref[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_the_prepared_gpu_check_runs_on_cpu(tmp_path):
+    """`benchmarks/cuda_check.py` is run once when a GPU is lent: its CPU run (tiny shapes) keeps it
+    working, with the streamed error within the bar of plain autograd's in fp32 and bf16."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "cuda_check.py"
+    proc = subprocess.run([sys.executable, str(script), "--small", "--device", "cpu", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "cuda_check.json").read_text())
+    assert [r["dtype"] for r in result["exactness"]] == ["fp32", "bf16"] and all(r["ok"] for r in result["exactness"])
+    assert {r["method"] for r in result["timing"]} == {"ckpt", "leanbp", "leanbp_offload"}
