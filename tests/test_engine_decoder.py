@@ -306,3 +306,27 @@ def test_a_block_runs_once_inside_a_layer_that_checkpoints_in_its_own_call():
     layer, runs = CheckpointingLayer(), []
     out = call_through(layer, lambda h: runs.append(1) or h * 2, torch.ones(3))
     assert torch.equal(out, torch.full((3,), 2.0)) and runs == [1] and layer.gradient_checkpointing
+
+
+@pytest.mark.parametrize("family,rope_scaling,per_chunk", [
+    ("qwen3", None, True),
+    ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}, True),
+    ("llama", {"rope_type": "dynamic", "factor": 2.0}, False),  # rescaled by the longest position
+])
+def test_rope_rows_equal_the_whole_table(family, rope_scaling, per_chunk):
+    """Each chunk's (cos, sin) are the rows of one call over all positions, bit for bit; only the
+    position-local rotary types compute them per chunk (no (T, R) table kept)."""
+    from leanbp.models import adapter_for
+
+    extra = {} if rope_scaling is None else {"rope_scaling": rope_scaling}
+    model = tiny_model(family, dtype=torch.float32, **extra)
+    adapter = adapter_for(model)
+    hidden = torch.zeros(2, 300, model.config.hidden_size)
+    position_ids = torch.arange(300).unsqueeze(0)
+    rope = adapter.position_embeddings(hidden, position_ids)[0]
+    assert (rope._table is None) == per_chunk
+    cos, sin = adapter.backbone().rotary_emb(hidden, position_ids)
+    for s, e in [(0, 37), (37, 74), (259, 300)]:
+        cos_c, sin_c = rope.rows(s, e)
+        assert torch.equal(cos_c, cos[:, s:e]) and torch.equal(sin_c, sin[:, s:e])
