@@ -29,6 +29,7 @@ import torch
 
 import leanbp
 from leanbp._builtin import build_model, qwen3_config
+from leanbp.bench._case import _sync
 
 QWEN3_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 intermediate_size=12288, vocab_size=151936)
@@ -74,11 +75,6 @@ def exactness(shape, device, T, chunk):
                          leanbp_loss_error=float(abs(loss - ref_loss)),
                          ok=leanbp_err <= 1.25 * plain_err + 1e-6))
     return rows
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timing(shape, device, layers, T, method, steps=3):

@@ -49,7 +49,7 @@ class TrainConfig:
     chunk_size: int | str = "auto"  # the largest chunk within the default budget (engine/_chunking.py)
     head_chunk_size: int = StreamConfig.head_chunk_size
     stream: bool = True
-    offload: bool = False  # the streamed layers' inputs wait in host memory until backward
+    offload: bool = False  # the hidden states between streamed layers, and their gradients, in host memory
     approx: str = "none"  # none | act | norm | both (Approx-BP / MS-BP; "act" changes gradients)
     save_every: int = 20
     seed: int = 0

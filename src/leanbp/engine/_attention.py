@@ -206,7 +206,7 @@ def _key_blocks(keys: int, block_rows: int | None) -> list[tuple[int, int]]:
 
 class _TwoBlockAttention(torch.autograd.Function):
     """The chunk's own rows and its prefix as separate key blocks of one attention, merged by their
-    log-sum-exps (the prefix in pieces of ``backend.block_rows`` keys where the backend asks)."""
+    log-sum-exps (the prefix in pieces of ``backend.block_rows`` keys where the backend sets one)."""
 
     @staticmethod
     def forward(ctx, query, prefix_key, prefix_value, key, value, prefix_allowed, own_allowed, scale, backend,
@@ -218,7 +218,7 @@ class _TwoBlockAttention(torch.autograd.Function):
         pre_bias = None
         if prefix_key is not None:
             pre_bias = _bias(prefix_allowed, dtype)
-            for b0, b1 in _key_blocks(prefix_key.shape[2], getattr(backend, "block_rows", None)):
+            for b0, b1 in _key_blocks(prefix_key.shape[2], backend.block_rows):
                 blocks.append((*backend.forward(query, prefix_key[:, :, b0:b1], prefix_value[:, :, b0:b1], False,
                                                 None if pre_bias is None else pre_bias[..., b0:b1], scale),
                                _visible(None if prefix_allowed is None else prefix_allowed[..., b0:b1])))
@@ -249,7 +249,7 @@ class _TwoBlockAttention(torch.autograd.Function):
             # any split of the keys is exact given the merged output and log-sum-exp; with a sink
             # the prefix gradients go straight into it, one key block at a time
             step = PrefixGradSink.block_rows if ctx.sink is not None else None
-            step = min(filter(None, (step, getattr(backend, "block_rows", None))), default=None)
+            step = min(filter(None, (step, backend.block_rows)), default=None)
             pieces = []
             for b0, b1 in _key_blocks(pk.shape[2], step):
                 dq_b, dk_b, dv_b = backend.backward(grad_out, query, pk[:, :, b0:b1], pv[:, :, b0:b1], out, lse,

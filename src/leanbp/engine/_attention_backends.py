@@ -16,8 +16,9 @@ merge masks it.
 * ``CPU_FLASH``: PyTorch's fused CPU flash kernel (grouped heads natively);
 * ``CUDA_KERNELS``: PyTorch's CUDA flash kernel (fp16/bf16, no bias; grouped heads natively) or
   its memory-efficient kernel (fp32 or a bias; K/V heads repeated per block, so a block is at most
-  ``block_rows`` keys); float64 (exactness checks) runs the reference. Untimed and unrun on a GPU so far: its glue is tested on CPU with stand-in
-  kernels that follow the CUDA kernels' contracts (lse padded to 32 rows, and so on);
+  ``block_rows`` keys); float64 (exactness checks) runs the reference. Untimed and unrun on a GPU
+  so far: its glue is tested on CPU with stand-in kernels that follow the CUDA kernels' contracts
+  (lse padded to 32 rows, and so on);
 * ``MATH``: plain PyTorch on any device and dtype, the reference the others are tested against.
 """
 
@@ -48,6 +49,7 @@ class MathAttention:
     dtype; float32 at least inside). Memory: it materializes the (B, Hq, c, k) scores."""
 
     name = "math"
+    block_rows = None  # any number of keys per call
 
     @staticmethod
     def _scores(q, k, causal, bias, scale):
@@ -85,6 +87,7 @@ class CpuFlashAttention:
     """PyTorch's fused CPU flash kernel: no score matrix; grouped heads without repeating K/V."""
 
     name = "cpu_flash"
+    block_rows = None
 
     def forward(self, q, k, v, causal, bias, scale):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
