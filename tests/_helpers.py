@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 
 import torch
 
@@ -44,3 +46,11 @@ def compare_step(model, stream_kwargs, batch, embeds=False, num_items_in_batch=N
     if embeds:
         input_err = ((model_in.grad - ref_in.grad).norm() / ref_in.grad.norm()).item()
     return loss_err, input_err, relative_errors(ref, model)
+
+
+def forced_probes(deepspeed_fp16: bool) -> dict[str, str]:
+    """The environment of a process that answers DeepSpeed's fp16 probe with ``deepspeed_fp16``,
+    whatever this machine reports (tests/_forced_probes/sitecustomize.py)."""
+    site = str(Path(__file__).resolve().parent / "_forced_probes")
+    path = os.pathsep.join(filter(None, (site, os.environ.get("PYTHONPATH"))))
+    return {**os.environ, "PYTHONPATH": path, "LEANBP_TEST_DEEPSPEED_FP16": "1" if deepspeed_fp16 else "0"}

@@ -8,7 +8,6 @@ start-up is paid once; each test reads its engine's part of the result."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -17,23 +16,42 @@ import torch
 
 import leanbp
 from leanbp._verify_utils import reference_causal_lm_loss
+from _helpers import forced_probes
 from leanbp.distributed import _conformance as C
 
 HAS_DEEPSPEED = __import__("importlib").util.find_spec("deepspeed") is not None
 ENGINES = C.ENGINES if HAS_DEEPSPEED else tuple(e for e in C.ENGINES if not e.startswith("zero"))
 LAUNCHED = ENGINES + (C.HF_ENGINES if HAS_DEEPSPEED else ())
+DEEPSPEED_ENGINES = tuple(e for e in LAUNCHED if e.startswith(("zero", "trainer_zero")))
+
+
+def _launch(out, engines, deepspeed_fp16: bool) -> dict:
+    env = {**forced_probes(deepspeed_fp16), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "leanbp.distributed._conformance", "--out", str(out), "--engines", ",".join(engines)],
+        capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dist") / "result.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "-m", "leanbp.distributed._conformance", "--out", str(out), "--engines", ",".join(LAUNCHED)],
-        capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    """Every engine, DeepSpeed's fp16 probe answered "no" (as on CPUs whose oneDNN has no fp16)."""
+    return _launch(tmp_path_factory.mktemp("dist") / "result.json", LAUNCHED, deepspeed_fp16=False)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["fp16-probe-no", "fp16-probe-yes"])
+def deepspeed_results(request, results, tmp_path_factory):
+    """The DeepSpeed engines with the fp16 probe answered both ways: "yes" is what every GPU and
+    Intel CPUs with AVX512-FP16 answer, where DeepSpeed's ZeRO-3 conversion keeps the model's dtype
+    and so refused float64 before leanbp partitioned the model itself."""
+    if not HAS_DEEPSPEED:
+        pytest.skip("needs deepspeed")
+    runs = results if not request.param else \
+        _launch(tmp_path_factory.mktemp("dist_fp16") / "result.json", DEEPSPEED_ENGINES, deepspeed_fp16=True)
+    assert runs["_probes"] == {"deepspeed_fp16": request.param}  # the workers answered as forced
+    return runs
 
 
 def _reference(dtype, approximated=False):
@@ -83,12 +101,21 @@ def _runs(results, engine):
     return leanbp_run, plain_run
 
 
-@pytest.mark.parametrize("engine", [e for e in ENGINES if e != "zero3_late"])
-def test_same_collectives_as_the_engine_without_leanbp(results, engine):
+def _same_collectives(results, engine):
     leanbp_run, plain_run = _runs(results, engine)
     assert leanbp_run["chunks_per_layer"] == 5 and plain_run["chunks_per_layer"] == 0  # it streamed, 5 chunks
     assert plain_run["collectives"]["calls"], "no collective was counted: the counter sees nothing"
     assert leanbp_run["collectives"] == plain_run["collectives"]
+
+
+@pytest.mark.parametrize("engine", [e for e in ENGINES if not e.startswith("zero")])
+def test_same_collectives_as_the_engine_without_leanbp(results, engine):
+    _same_collectives(results, engine)
+
+
+@pytest.mark.parametrize("engine", ["zero2", "zero3"])
+def test_same_collectives_as_deepspeed_without_leanbp(deepspeed_results, engine):
+    _same_collectives(deepspeed_results, engine)
 
 
 @pytest.mark.parametrize("engine", ["ddp", "ddp_late", "fsdp2", "fsdp2_late", "fsdp2_approx"])
@@ -107,31 +134,29 @@ def test_bf16_mixed_precision_fsdp2_is_as_accurate_as_without_leanbp(results):
     assert lg <= 1.5 * pg and lp <= 1.5 * pp, (lg, pg, lp, pp)
 
 
-@pytest.mark.parametrize("engine", [e for e in ("zero2", "zero3") if e in ENGINES])
-def test_deepspeed_training_equals_one_process_to_its_fp32_gradients(results, engine):
+@pytest.mark.parametrize("engine", ["zero2", "zero3"])
+def test_deepspeed_training_equals_one_process_to_its_fp32_gradients(deepspeed_results, engine):
     """DeepSpeed keeps and communicates gradient partitions in fp32 at best (its
     communication_data_type has no fp64), so a float64 model trains to fp32 rounding there, with or
     without leanbp; leanbp stays at that level: within 2x of plain ZeRO's error (or 1e-7)
     (measured: 4.6e-8 vs 6.9e-8)."""
-    leanbp_run, plain_run = _runs(results, engine)
+    leanbp_run, plain_run = _runs(deepspeed_results, engine)
     assert leanbp_run["grad_dtype"] == "torch.float32"
     (lg, lp), (pg, pp) = _errors(leanbp_run, torch.float64), _errors(plain_run, torch.float64)
     assert lg <= max(2 * pg, 1e-7) and lp <= max(2 * pp, 1e-7), (lg, pg, lp, pp)
 
 
-@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
-def test_streaming_after_zero3_registered_its_hooks_is_a_clear_error(results):
-    error = results["zero3_late"]["leanbp"]["error"]
+def test_streaming_after_zero3_registered_its_hooks_is_a_clear_error(deepspeed_results):
+    error = deepspeed_results["zero3_late"]["leanbp"]["error"]
     assert "RuntimeError" in error and "before deepspeed.initialize" in error, error[-2000:]
 
 
-@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
-def test_the_transformers_trainer_with_a_zero3_config_streams_and_trains_as_without_leanbp(results):
+def test_the_transformers_trainer_with_a_zero3_config_streams_and_trains_as_without_leanbp(deepspeed_results):
     """The model built under the Trainer's zero.Init (partitioned from the start), streamed, then
     given to the Trainer: it streams (both layers ran streamed), the weights after 3 steps match the
     plain Trainer's to fp32 rounding (measured 3.7e-8), and the collectives are the same (calls, and
     bytes of the tensor collectives; broadcast / all_gather carry pickled Python objects)."""
-    runs = results["trainer_zero3"]
+    runs = deepspeed_results["trainer_zero3"]
     for kind in ("leanbp", "plain"):
         assert "error" not in runs[kind], runs[kind].get("error")
     leanbp_run, plain_run = runs["leanbp"], runs["plain"]

@@ -17,13 +17,15 @@ import pytest
 import torch
 import transformers
 
+from _helpers import forced_probes
+
 ARGS = ["--dtype", "fp64", "--seq-len", "64", "--chunk-size", "24", "--save-every", "2"]
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 
-def _train(out, *extra) -> subprocess.CompletedProcess:
+def _train(out, *extra, env=None) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "leanbp", "train", *ARGS, "--out", str(out), *extra],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
 
@@ -40,23 +42,30 @@ def _weights(folder) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("engine, resume, tol", [
-    ("ddp", False, 1e-12),
-    ("fsdp2", True, 1e-12),
-    pytest.param("zero2", False, 1e-6, marks=pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")),
-    pytest.param("zero3", True, 1e-6, marks=pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")),
+NEEDS_DEEPSPEED = pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
+
+
+@pytest.mark.parametrize("engine, resume, tol, fp16_probe", [
+    ("ddp", False, 1e-12, None),
+    ("fsdp2", True, 1e-12, None),
+    pytest.param("zero2", False, 1e-6, None, marks=NEEDS_DEEPSPEED),
+    # DeepSpeed's fp16 probe answered both ways: "yes" (GPUs, Intel CPUs with AVX512-FP16) is where
+    # its own ZeRO-3 conversion refused float64
+    pytest.param("zero3", True, 1e-6, False, marks=NEEDS_DEEPSPEED, id="zero3-fp16-probe-no"),
+    pytest.param("zero3", True, 1e-6, True, marks=NEEDS_DEEPSPEED, id="zero3-fp16-probe-yes"),
 ])
-def test_two_processes_train_the_weights_of_one(tmp_path, reference, engine, resume, tol):
+def test_two_processes_train_the_weights_of_one(tmp_path, reference, engine, resume, tol, fp16_probe):
     out = tmp_path / engine
     launch = ["--nproc", "2", "--engine", engine]
+    env = None if fp16_probe is None else forced_probes(fp16_probe)
     if resume:
-        _train(out, *launch, "--steps", "2")
+        _train(out, *launch, "--steps", "2", env=env)
         before = (out / "train_log.csv").read_text().splitlines()
-        proc = _train(out, *launch, "--steps", "3", "--resume")
+        proc = _train(out, *launch, "--steps", "3", "--resume", env=env)
         # resumed, not redone: steps 1-2 keep their rows (a rerun would rewrite their tokens/s)
         assert (out / "train_log.csv").read_text().splitlines()[:3] == before
     else:
-        proc = _train(out, *launch, "--steps", "3")
+        proc = _train(out, *launch, "--steps", "3", env=env)
     assert proc.stdout.count("lm step 3") == 1  # only rank 0 reports
     assert "cannot be streamed" not in proc.stderr  # no silent fallback to plain training
     rows = (out / "train_log.csv").read_text().splitlines()
@@ -86,16 +95,21 @@ def test_engines_other_than_single_need_several_processes(tmp_path):
 def test_the_readme_multi_gpu_commands_run_as_written(tmp_path):
     """The `leanbp train --nproc ...` lines of the README's "Multiple GPUs" section, run as they are
     written (only --out moved into a temporary folder), each ending with a loadable transformers
-    checkpoint."""
+    checkpoint; the DeepSpeed lines with DeepSpeed's fp16 probe answered both ways."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     section = readme.split("## Multiple GPUs", 1)[1].split("\n## ", 1)[0]
     commands = [line.split() for line in section.splitlines() if line.startswith("leanbp train --nproc")]
     assert len(commands) >= 2
     for words in commands:
-        if "zero" in " ".join(words) and not HAS_DEEPSPEED:
+        deepspeed = "zero" in " ".join(words)
+        if deepspeed and not HAS_DEEPSPEED:
             continue
-        out = tmp_path / words[words.index("--out") + 1].replace("/", "_")
-        words[words.index("--out") + 1] = str(out)
-        proc = subprocess.run([sys.executable, "-m", "leanbp", *words[1:]], capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert _weights(out / "final")
+        for fp16_probe in (False, True) if deepspeed else (None,):
+            run = list(words)
+            out = tmp_path / f"{run[run.index('--out') + 1].replace('/', '_')}-{fp16_probe}"
+            run[run.index("--out") + 1] = str(out)
+            env = None if fp16_probe is None else forced_probes(fp16_probe)
+            proc = subprocess.run([sys.executable, "-m", "leanbp", *run[1:]], capture_output=True, text=True,
+                                  timeout=600, env=env)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            assert _weights(out / "final")

@@ -18,12 +18,17 @@ module per step, as in plain training, whatever the number of chunks:
   ``deepspeed.initialize`` (or a Trainer / Accelerate with a DeepSpeed config) registers the hooks.
   The chunked head normally applies the final norm inside each head chunk; under ZeRO-3 the norm
   and the head are two calls (``gathers_per_call``), so each is gathered once.
+
+A model built outside ``deepspeed.zero.Init`` is partitioned by ``deepspeed.initialize`` with a
+dtype DeepSpeed picks from what the accelerator reports; ``partition_for_zero3`` partitions it
+first with a dtype that does not depend on the machine (float64 models included).
 """
 
 from __future__ import annotations
 
 import sys
 
+import torch
 from torch import nn
 
 
@@ -58,9 +63,36 @@ def gathers_per_call(module: nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
+# the parameter dtypes DeepSpeed ZeRO-3 keeps as they are (its fp32 partitions hold the optimizer state)
+ZERO3_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def partition_for_zero3(model: nn.Module, config: dict) -> None:
+    """Partition ``model``'s parameters over the ranks as ``deepspeed.initialize(model=model,
+    config=config)`` would, but with a dtype that does not depend on the machine; call it on every
+    rank, then ``deepspeed.initialize`` (which finds the parameters partitioned and leaves them).
+
+    Why: ``deepspeed.initialize`` partitions a model that was not built under ``zero.Init`` with
+    ``zero.Init(module=model, dtype=<first parameter's dtype>)``, and ``Init`` keeps that dtype only
+    where the accelerator reports fp16 support (DeepSpeed 0.19: ``dtype or torch.float16 if
+    is_fp16_supported() else ...``), then asserts it is fp16, bf16 or fp32. A float64 model so fails
+    on every GPU and on CPUs whose oneDNN reports fp16, and passes elsewhere. The dtype given here
+    only names what ``Init`` would create or keep in fp32; the parameters keep their own dtype
+    either way. fp16 / bf16 models pass their dtype (so buffers a model names for fp32 stay fp32);
+    for fp32 and float64 the config decides: fp32, as it has no fp16 / bf16 section."""
+    dtype = next(model.parameters()).dtype
+    if dtype not in ZERO3_DTYPES:  # (before the first collective: every rank stops here alike)
+        raise ValueError(f"DeepSpeed ZeRO-3 partitions parameters of dtype {', '.join(map(str, ZERO3_DTYPES))}; "
+                         f"this model's are {dtype}")
+    import deepspeed
+
+    deepspeed.zero.Init(module=model, config_dict_or_path=config,
+                        dtype=dtype if dtype in (torch.float16, torch.bfloat16) else None)
+
+
 def _hooked_by_zero3(module: nn.Module) -> bool:
     # ZeRO-3's parameter offload numbers every module it hooks; DDP, FSDP and ZeRO-1/2 don't
     return hasattr(module, "ds_id")
 
 
-__all__ = ["check_layers", "gathers_per_call", "prepare_for_engines"]
+__all__ = ["ZERO3_DTYPES", "check_layers", "gathers_per_call", "partition_for_zero3", "prepare_for_engines"]

@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 from collections import Counter
 
 import torch
@@ -186,8 +187,13 @@ def run_engine(engine: str, streamed: bool, counter: CollectiveCounter) -> dict:
     else:
         import deepspeed
 
+        from . import partition_for_zero3
+
+        config = _zero_config(int(engine[-1]))
+        if engine == "zero3":  # (what leanbp train does: a dtype that does not depend on the machine)
+            partition_for_zero3(model, config)
         wrapped, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                        config=_zero_config(int(engine[-1])))
+                                                        config=config)
         step = lambda loss: wrapped.backward(loss)  # noqa: E731
     if streamed and late:
         leanbp.stream(wrapped, chunk_size=CHUNK, head_chunk_size=5)
@@ -345,6 +351,10 @@ def main(argv=None) -> None:
                 results[engine]["leanbp" if streamed else "plain"] = {"error": traceback.format_exc()}
                 print(f"rank {dist.get_rank()} {engine} streamed={streamed}: {e!r}", flush=True)
             dist.barrier()
+    if "deepspeed" in sys.modules:  # what the accelerator answered (tests force it both ways)
+        from deepspeed.accelerator import get_accelerator
+
+        results["_probes"] = {"deepspeed_fp16": bool(get_accelerator().is_fp16_supported())}
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f)

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import partition_for_zero3
+
 ENGINES = ("single", "ddp", "fsdp2", "zero2", "zero3")
 BETAS = (0.9, 0.95)
 
@@ -224,6 +226,7 @@ class DeepSpeedEngine(_Distributed):
                   "gradient_clipping": 1.0, "steps_per_print": 10**9}
         if self.stage == 3:  # partition every parameter, however small (DeepSpeed keeps small ones whole)
             config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+            partition_for_zero3(model, config)  # (with a dtype that does not depend on the machine)
         self.module, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=config)
 
     def backward(self, loss):
