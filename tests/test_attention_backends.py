@@ -5,16 +5,15 @@ chunk attention runs on the reference backend."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 import leanbp
 from conftest import tiny_model
+from _cuda_ops import StrictCudaOps
 from _helpers import make_batch
 from leanbp.engine import _attention
-from leanbp.engine._attention import ChunkMasks, chunk_attention
+from leanbp.engine._attention import ChunkMasks, KeyKeep, chunk_attention
 from leanbp.engine._attention_backends import CPU_FLASH, MATH, CudaKernels
 
 TOL = dict(rtol=1e-12, atol=1e-12)
@@ -63,53 +62,6 @@ def test_reference_backward_is_the_gradient_of_its_forward():
         torch.testing.assert_close(got, want, **TOL)
 
 
-class _CudaContracts:
-    """Stand-ins for PyTorch's CUDA attention ops, computed by the reference, that check what the
-    real kernels require and return what they return: flash takes fp16/bf16 and grouped K/V heads
-    and no bias; the memory-efficient kernel takes as many K/V heads as query heads, a (B, H, c, k)
-    bias whose row stride is a multiple of 16, and pads its lse to a multiple of 32 rows (the pad
-    is garbage here, so a glue that reads it fails)."""
-
-    def __init__(self):
-        self.calls = {"flash": 0, "efficient": 0}
-
-    def flash_fwd(self, q, k, v, dropout_p, causal, return_debug_mask, *, scale):
-        assert q.dtype in (torch.float16, torch.bfloat16) and dropout_p == 0.0
-        self.calls["flash"] += 1
-        out, lse = MATH.forward(q, k, v, causal, None, scale)
-        return out, lse, None, None, q.shape[2], k.shape[2], torch.zeros(2), torch.zeros(()), torch.empty(0)
-
-    def flash_bwd(self, dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, causal, seed, offset, *,
-                  scale):
-        assert (max_q, max_k) == (q.shape[2], k.shape[2]) and dropout_p == 0.0
-        return MATH.backward(dout, q, k, v, out, lse, causal, None, scale)
-
-    def _check_efficient(self, q, k, bias):
-        assert k.shape[1] == q.shape[1], "the efficient kernel needs repeated K/V heads"
-        if bias is not None:
-            assert bias.shape == (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-            assert bias.stride(-1) == 1 and bias.stride(-2) % 16 == 0
-
-    def efficient_fwd(self, q, k, v, bias, compute_lse, dropout_p, causal, *, scale):
-        self._check_efficient(q, k, bias)
-        assert compute_lse and dropout_p == 0.0
-        self.calls["efficient"] += 1
-        out, lse = MATH.forward(q, k, v, causal, bias, scale)
-        padded = torch.full((*lse.shape[:2], math.ceil(q.shape[2] / 32) * 32), float("nan"), dtype=lse.dtype)
-        padded[..., :q.shape[2]] = lse
-        return out, padded, torch.zeros(()), torch.zeros(())
-
-    def efficient_bwd(self, dout, q, k, v, bias, out, lse, seed, offset, dropout_p, grad_mask, causal, *, scale):
-        self._check_efficient(q, k, bias)
-        assert lse.shape[-1] == math.ceil(q.shape[2] / 32) * 32
-        dq, dk, dv = MATH.backward(dout, q, k, v, out, lse[..., :q.shape[2]], causal, bias, scale)
-        return dq, dk, dv, None
-
-    def backend(self, block_rows=8192):
-        return CudaKernels(self.flash_fwd, self.flash_bwd, self.efficient_fwd, self.efficient_bwd,
-                           block_rows=block_rows, float64=True)
-
-
 def _chunk(backend, monkeypatch, dtype=torch.float64, padded=True):
     """One chunk [20, 29) of a 29-row sequence (prefix of 20 keys), GQA, left padding: out and
     the gradients of query, own K/V and prefix K/V, with chunk attention on ``backend``."""
@@ -119,7 +71,7 @@ def _chunk(backend, monkeypatch, dtype=torch.float64, padded=True):
     keep = torch.ones(2, 29, dtype=torch.bool)
     if padded:
         keep[0, :3] = False
-    masks = ChunkMasks(20, 29, 0, None, keep if padded else None, torch.device("cpu"))
+    masks = ChunkMasks(20, 29, 0, None, KeyKeep(keep) if padded else None, torch.device("cpu"))
     leaves = [t.clone().requires_grad_() for t in (q, pre_k, pre_v, own_k, own_v)]
     out = chunk_attention(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], masks, scale=0.35)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=dtype)
@@ -128,21 +80,22 @@ def _chunk(backend, monkeypatch, dtype=torch.float64, padded=True):
 
 @pytest.mark.parametrize("padded", [True, False])
 def test_cuda_glue_with_contract_stand_ins_matches_the_cpu_kernel(monkeypatch, padded):
-    """fp32 runs the efficient kernel (float64 here, which the stand-ins allow for an exact check): heads repeated and summed back, bias expanded with an
-    aligned row stride, lse trimmed and re-padded, the prefix split into key blocks (5 rows here)."""
-    ops = _CudaContracts()
+    """fp32 runs the efficient kernel (float64 here, which the stand-ins allow for an exact check):
+    heads repeated and summed back, bias expanded in aligned memory, lse trimmed and re-padded, the
+    prefix split into key blocks (5 rows here)."""
+    ops = StrictCudaOps(float64=True)
     want = _chunk(CPU_FLASH, monkeypatch, padded=padded)
-    got = _chunk(ops.backend(block_rows=5), monkeypatch, padded=padded)
-    assert ops.calls == {"flash": 0, "efficient": 1 + 4}  # own block + 20 prefix keys in blocks of 5
+    got = _chunk(ops.backend(repeat_block_rows=5), monkeypatch, padded=padded)
+    assert ops.calls["efficient_fwd"] == 1 + 4 and ops.calls["flash_fwd"] == 0  # own + 20 prefix keys by 5
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, **TOL)
 
 
 def test_cuda_glue_takes_flash_for_half_precision_without_a_bias(monkeypatch):
-    ops = _CudaContracts()
+    ops = StrictCudaOps()
     want = _chunk(MATH, monkeypatch, dtype=torch.bfloat16, padded=False)
     got = _chunk(ops.backend(), monkeypatch, dtype=torch.bfloat16, padded=False)
-    assert ops.calls == {"flash": 2, "efficient": 0}
+    assert ops.calls["flash_fwd"] == 2 and ops.calls["flash_bwd"] == 2 and ops.calls["efficient_fwd"] == 0
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)  # the same reference arithmetic, glue aside
 
@@ -150,8 +103,9 @@ def test_cuda_glue_takes_flash_for_half_precision_without_a_bias(monkeypatch):
 @pytest.mark.parametrize("dtype,padded", [(torch.float32, True), (torch.bfloat16, False), (torch.bfloat16, True)])
 def test_cuda_glue_calls_match_the_real_ops_schemas(dtype, padded):
     """The real CUDA ops on meta tensors: the arguments parse, and the outputs have the shapes the
-    merge and the sink expect (lse (B, Hq, c), K/V gradients with Hkv heads)."""
-    cuda = CudaKernels()
+    merge and the sink expect (lse (B, Hq, c), K/V gradients with Hkv heads); the device probes
+    answered as an H100 would (meta tensors have no device to ask)."""
+    cuda = CudaKernels(capability=lambda device: (9, 0), flash_built=lambda: True)
     B, Hq, Hkv, c, k, D = 2, 8, 2, 100, 300, 64
     q = torch.empty(B, Hq, c, D, dtype=dtype, device="meta")
     key = torch.empty(B, Hkv, k, D, dtype=dtype, device="meta")

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from leanbp.engine import _attention
 from leanbp.engine import _softcap_attention as sca
-from leanbp.engine._attention import ChunkMasks, Documents, PrefixGradSink, chunk_attention, key_start
+from leanbp.engine._attention import ChunkMasks, Documents, KeyKeep, PrefixGradSink, chunk_attention, key_start
 from leanbp.engine._softcap_attention import softcap_chunk_attention
 
 T = 23
@@ -42,7 +42,7 @@ def make_case(B=2, Hq=2, Hkv=2, D=8, start=9, end=16, window=None, pad=None, pac
     kb = key_start(start, window)
     if docs is not None:  # as LayerRun.key_begin
         kb = max(kb, min(docs.start_of(b, start) for b in range(B)))
-    masks = ChunkMasks(start, end, kb, window, keep, torch.device("cpu"), docs)
+    masks = ChunkMasks(start, end, kb, window, None if keep is None else KeyKeep(keep), torch.device("cpu"), docs)
     leaf = lambda x: x.clone().requires_grad_()
     prefix = (leaf(K[:, :, kb:start]), leaf(V[:, :, kb:start])) if kb < start else (None, None)
     inputs = (leaf(Q[:, :, start:end]), *prefix, leaf(K[:, :, start:end]), leaf(V[:, :, start:end]))

@@ -29,6 +29,7 @@ import bisect
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -76,6 +77,34 @@ class Documents:
         return starts[bisect.bisect_right(starts, start): bisect.bisect_left(starts, end)]
 
 
+class KeyKeep:
+    """The keys a padded batch lets its rows attend to: the (B, T) bool mask on the device, and on
+    the host, read once per forward, each row's count of hidden keys before every position. Every
+    chunk of every layer asks whether its key range hides anything; the host counts answer without
+    reading the device (a device-to-host sync per chunk on a GPU)."""
+
+    def __init__(self, mask: torch.Tensor, hidden_before: np.ndarray | None = None):
+        self.mask = mask  # (B, T) bool, True = may be attended to
+        if hidden_before is None:  # (B, T + 1) int32 host array: the one read
+            hidden_before = F.pad((~mask).to(torch.int32).cumsum(-1), (1, 0)).cpu().numpy()
+        self._hidden_before = hidden_before
+
+    @staticmethod
+    def from_attention_mask(attention_mask: torch.Tensor | None, device: torch.device) -> "KeyKeep | None":
+        """None when the mask hides no key (or is fake, in a planned step: nothing padded)."""
+        if attention_mask is None or not has_values(attention_mask):
+            return None
+        keep = KeyKeep(attention_mask.to(device=device, dtype=torch.bool))
+        return keep if keep.hides_any(0, attention_mask.shape[-1]) else None
+
+    def hides_any(self, k0: int, k1: int) -> bool:
+        """Whether any row hides a key in [k0, k1) (host arithmetic only)."""
+        return bool((self._hidden_before[:, k1] != self._hidden_before[:, k0]).any())
+
+    def rows(self, rows: slice) -> "KeyKeep":
+        return KeyKeep(self.mask[rows], self._hidden_before[rows])
+
+
 @dataclass
 class ChunkMasks:
     """Masks of one chunk [start, end) with visible keys [key_begin, end); True = may attend."""
@@ -84,14 +113,14 @@ class ChunkMasks:
     end: int
     key_begin: int
     window: int | None
-    key_keep: torch.Tensor | None  # (B, T) bool or None
+    key_keep: KeyKeep | None  # None when nothing is padded
     device: torch.device
     documents: Documents | None = None
 
     def segment(self, start: int, end: int, key_begin: int, rows: slice = slice(None)) -> "ChunkMasks":
         """The masks of rows [start, end) of this chunk (in batch rows ``rows``), a piece that lies in
         one document per batch row."""
-        keep = self.key_keep[rows] if self.key_keep is not None else None
+        keep = self.key_keep.rows(rows) if self.key_keep is not None else None
         docs = None
         if self.documents is not None and key_begin < start:
             docs = _RowSubset(self.documents, rows)
@@ -104,8 +133,10 @@ class ChunkMasks:
         firsts = [self.documents.start_of(b, self.start) for b in range(len(self.documents.starts))]
         if max(firsts) <= k0:
             return None
-        k = torch.arange(k0, k1, device=self.device)[None, :]  # (1, kv)
-        return (k >= torch.tensor(firsts, device=self.device)[:, None])[:, None, None]
+        # the prefix keys [k0, k1) end at the chunk's first row, so a key is in that row's document
+        # iff it has its document id (device arithmetic: no host list sent per chunk)
+        ids = self.documents.doc_id
+        return (ids[:, k0:k1] == ids[:, self.start:self.start + 1])[:, None, None]  # (B, 1, 1, kv)
 
     def _allowed(self, k0: int, k1: int, per_row: bool) -> torch.Tensor | None:
         """(B|1, 1, c|1, k1-k0) bool, or None when every key is visible to every row."""
@@ -120,10 +151,9 @@ class ChunkMasks:
             allowed = window_ok if allowed is None else allowed & window_ok
         if allowed is not None:
             allowed = allowed[None, None]  # (1, 1, c, kv)
-        if self.key_keep is not None:
-            keep = self.key_keep[:, None, None, k0:k1]  # (B, 1, 1, kv)
-            if not bool(keep.all()):
-                allowed = keep if allowed is None else allowed & keep
+        if self.key_keep is not None and self.key_keep.hides_any(k0, k1):
+            keep = self.key_keep.mask[:, None, None, k0:k1]  # (B, 1, 1, kv)
+            allowed = keep if allowed is None else allowed & keep
         return allowed
 
     def prefix(self):
@@ -206,7 +236,7 @@ def _key_blocks(keys: int, block_rows: int | None) -> list[tuple[int, int]]:
 
 class _TwoBlockAttention(torch.autograd.Function):
     """The chunk's own rows and its prefix as separate key blocks of one attention, merged by their
-    log-sum-exps (the prefix in pieces of ``backend.block_rows`` keys where the backend sets one)."""
+    log-sum-exps (the prefix in pieces of ``backend.key_block_rows`` keys where the backend bounds them)."""
 
     @staticmethod
     def forward(ctx, query, prefix_key, prefix_value, key, value, prefix_allowed, own_allowed, scale, backend,
@@ -218,7 +248,8 @@ class _TwoBlockAttention(torch.autograd.Function):
         pre_bias = None
         if prefix_key is not None:
             pre_bias = _bias(prefix_allowed, dtype)
-            for b0, b1 in _key_blocks(prefix_key.shape[2], backend.block_rows):
+            per_call = backend.key_block_rows(query, prefix_key.shape[1], pre_bias is not None)
+            for b0, b1 in _key_blocks(prefix_key.shape[2], per_call):
                 blocks.append((*backend.forward(query, prefix_key[:, :, b0:b1], prefix_value[:, :, b0:b1], False,
                                                 None if pre_bias is None else pre_bias[..., b0:b1], scale),
                                _visible(None if prefix_allowed is None else prefix_allowed[..., b0:b1])))
@@ -249,12 +280,14 @@ class _TwoBlockAttention(torch.autograd.Function):
             # any split of the keys is exact given the merged output and log-sum-exp; with a sink
             # the prefix gradients go straight into it, one key block at a time
             step = PrefixGradSink.block_rows if ctx.sink is not None else None
-            step = min(filter(None, (step, backend.block_rows)), default=None)
+            step = min(filter(None, (step, backend.key_block_rows(query, pk.shape[1], pbias is not None))), default=None)
+            # the blocks' dq summed in at least fp32 (a bf16 sum over T / 2048 blocks would round each)
+            dq = dq.to(torch.promote_types(dq.dtype, torch.float32))
             pieces = []
             for b0, b1 in _key_blocks(pk.shape[2], step):
                 dq_b, dk_b, dv_b = backend.backward(grad_out, query, pk[:, :, b0:b1], pv[:, :, b0:b1], out, lse,
                                                     False, None if pbias is None else pbias[..., b0:b1], scale)
-                dq = dq + dq_b
+                dq += dq_b
                 if ctx.sink is not None:
                     ctx.sink.add(ctx.sink_start + b0, ctx.sink_start + b1, dk_b, dv_b, ctx.sink_rows)
                 else:
@@ -263,6 +296,7 @@ class _TwoBlockAttention(torch.autograd.Function):
             if pieces:
                 dpk = torch.cat([k for k, _ in pieces], dim=2) if len(pieces) > 1 else pieces[0][0]
                 dpv = torch.cat([v for _, v in pieces], dim=2) if len(pieces) > 1 else pieces[0][1]
+            dq = dq.to(query.dtype)
         return dq, dpk, dpv, dk, dv, None, None, None, None, None, None, None
 
 

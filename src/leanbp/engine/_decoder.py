@@ -15,13 +15,12 @@ from torch import nn
 
 from ..distributed import check_layers
 from ..memory import in_phase
-from ._attention import Documents
+from ._attention import Documents, KeyKeep
 from ._calls import call_through
 from ._grads import AutocastState, GradSum
 from ._layer import LayerRun, StreamedLayerFunction
 from ._moe import RouterStats
 from ._offload import HostStore, to_device, to_host
-from ._values import pads_anything
 
 
 def trainable(module: nn.Module) -> list[torch.Tensor]:
@@ -69,10 +68,8 @@ def decoder_layers(adapter, chunk_rows_for, input_ids=None, inputs_embeds=None, 
         if attention_mask is None:
             documents = Documents.from_position_ids(position_ids, B)
     rope = adapter.position_embeddings(hidden, position_ids)  # per layer (see ``Rope``: per chunk when it can)
-    key_keep = None
-    if pads_anything(attention_mask):
-        key_keep = attention_mask.to(device=hidden.device, dtype=torch.bool)
-    stats = RouterStats(key_keep, B, T) if router_stats else None
+    key_keep = KeyKeep.from_attention_mask(attention_mask, hidden.device)  # (one host read per forward)
+    stats = RouterStats(None if key_keep is None else key_keep.mask, B, T) if router_stats else None
     autocast = AutocastState(hidden.device.type)
     rows = chunk_rows_for(hidden)
     check_layers(adapter.layers())

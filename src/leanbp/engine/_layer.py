@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..memory import in_phase
-from ._attention import ChunkMasks, Documents, PrefixGradSink, key_start
+from ._attention import ChunkMasks, Documents, KeyKeep, PrefixGradSink, key_start
 from ._grads import AutocastState, GradSum
 from ._moe import RouterStats
 from ._offload import HostStore, backward_reads
@@ -40,7 +40,7 @@ class LayerRun:
     window: int | None
     softcap: float | None  # attention logit soft-capping
     rope: object  # models.Rope: (cos, sin) of rows [s, e), (1 or B, e - s, R), R rotary dims
-    key_keep: torch.Tensor | None  # (B, T) bool, None when nothing is padded
+    key_keep: KeyKeep | None  # None when nothing is padded
     documents: Documents | None  # packed rows, None when every row is one sequence
     chunk_size: int
     autocast: AutocastState
@@ -125,8 +125,8 @@ class StreamedLayerFunction(torch.autograd.Function):
         hidden, *params = ctx.saved_tensors
         T = hidden.shape[1]
         chunks = run.chunks(T)
-        grad_out = grad_out.contiguous()
         if run.offload is not None:  # hidden and grad_out are host tensors: rows come in planned order
+            grad_out = run.offload.adopt(grad_out)  # (in the store's layout, whoever made it)
             reader = run.offload.reader(backward_reads(hidden, grad_out, chunks))
 
             def rows(s, e):
@@ -135,6 +135,8 @@ class StreamedLayerFunction(torch.autograd.Function):
             def grad_rows(s, e):
                 return reader.take(grad_out, s, e)
         else:
+            grad_out = grad_out.contiguous()
+
             def rows(s, e):
                 return hidden[:, s:e]
 

@@ -1,8 +1,9 @@
 """The few decisions a streamed step takes from tensor values, and what a planned step assumes.
 
-A streamed step reads three things to the host: whether an attention mask pads anything, where the
-documents of packed rows start, and which rows carry a label. ``leanbp plan`` runs the real step on
-fake tensors (``FakeTensorMode``: shapes and dtypes, no values), where no value can be read; there
+A streamed step reads three things to the host, each once per forward: which keys an attention
+mask hides (``KeyKeep``), where the documents of packed rows start, and which rows carry a label.
+``leanbp plan`` runs the real step on fake tensors (``FakeTensorMode``: shapes and dtypes, no
+values), where no value can be read; there
 each read takes the planner's assumption instead, which is also the worst case for memory: nothing
 padded, one document per row, every row labelled.
 """
@@ -17,11 +18,6 @@ def has_values(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return not isinstance(t, FakeTensor)
-
-
-def pads_anything(attention_mask: torch.Tensor | None) -> bool:
-    """Whether a (B, T) padding mask hides any key (a fake mask is taken as all ones)."""
-    return attention_mask is not None and has_values(attention_mask) and not bool(attention_mask.all())
 
 
 def labelled_rows(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
