@@ -3,6 +3,8 @@ counted apart, blocks read back in the planned order."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -103,3 +105,62 @@ def test_host_blocks_are_read_in_the_planned_order_only():
 def test_offload_needs_streamed_layers():
     with pytest.raises(ValueError, match="layers=True"):
         leanbp.stream(tiny_model("qwen3"), layers=False, offload=True)
+
+
+def _one_range(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements are one contiguous range of its storage (in some order of dims)."""
+    span = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride != span:
+            return False
+        span *= size
+    return True
+
+
+class _HostCopies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every copy into or out of a host store's memory, as (destination, source) strides and
+    whether each operand is one dense range."""
+
+    def __init__(self, host_storages: set[int]):
+        super().__init__()
+        self.host, self.copies = host_storages, []
+
+    def _on_host(self, t) -> bool:
+        return torch.is_tensor(t) and t.untyped_storage().data_ptr() in self.host
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default):
+            dst, src = (args[0], args[1]) if func is torch.ops.aten.copy_.default else (out, args[0])
+            if self._on_host(dst) or self._on_host(src):
+                self.copies.append([(t.stride(), _one_range(t)) for t in (dst, src)])
+        return out
+
+
+def test_every_host_copy_is_one_transfer_for_any_batch(monkeypatch):
+    """Batch 2: each block a layer reads or writes, the layer boundary to and from the host, and
+    the gradient rows, are one dense range with the same layout on both sides, so a GPU copies each
+    in one asynchronous transfer from pinned memory. Before the fix the host was batch-major and a
+    block of rows [s, e) was two ranges: PyTorch stages such a copy through a pageable temporary
+    and blocks."""
+    from leanbp.engine._offload import HostStore
+
+    storages = set()
+    empty = HostStore.empty
+
+    def recorded(store, shape, dtype):
+        host = empty(store, shape, dtype)
+        ptr = host.untyped_storage().data_ptr()
+        storages.add(ptr)  # while it lives (its memory is reused for other tensors after)
+        weakref.finalize(host._base if host._base is not None else host, storages.discard, ptr)
+        return host
+
+    monkeypatch.setattr(HostStore, "empty", recorded)
+    model = tiny_model("llama")
+    ids, mask, labels = make_batch(B=2, vocab=model.config.vocab_size)
+    leanbp.stream(model, chunk_size=7, offload=True)
+    with _HostCopies(storages) as copies:
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    assert len(copies.copies) > 4 * 7  # every layer's blocks both ways (45 rows in chunks of 7)
+    for dst, src in copies.copies:
+        assert dst[1] and src[1] and dst[0] == src[0], (dst, src)

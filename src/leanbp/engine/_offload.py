@@ -39,8 +39,18 @@ def backward_reads(hidden: torch.Tensor, grad_out: torch.Tensor, chunks: list[tu
         [(t, s, e) for s, e in reversed(chunks) for t in (hidden, grad_out)]
 
 
+def _rows_of(host: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Rows [start, end) of a host tensor as (e - s, B, H): one contiguous range of its memory."""
+    return host[:, start:end].transpose(0, 1)
+
+
 class HostStore:
-    """Host tensors of one streamed forward call and the copies between them and the device."""
+    """Host tensors of one streamed forward call and the copies between them and the device.
+
+    A host tensor (B, T, H) lies in memory as (T, B, H): rows [s, e) of every batch row are then
+    one contiguous range, so every block's copy is one transfer from (or into) pinned memory, for
+    any batch (with batch-major memory a block of B > 1 rows is B ranges, which PyTorch stages
+    through a pageable temporary and copies synchronously)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -48,20 +58,38 @@ class HostStore:
         self.side = torch.cuda.Stream(device) if self.cuda else None
 
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        """A host tensor (pinned on CUDA, for asynchronous copies), counted as host memory."""
+        """A host tensor (B, T, ...) with (T, B, ...) memory (pinned on CUDA, for asynchronous
+        copies), counted as host memory."""
+        batch, rows, *rest = shape
         with host_allocations():
-            host = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=self.cuda)
+            host = torch.empty((rows, batch, *rest), dtype=dtype, device="cpu", pin_memory=self.cuda)
         count_host_storage(host)
+        return host.transpose(0, 1)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a host tensor laid out (and pinned) as this store makes them."""
+        return t.device.type == "cpu" and t.transpose(0, 1).is_contiguous() and (not self.cuda or t.is_pinned())
+
+    def adopt(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` itself if the store could have made it, else a copy in a store tensor (a gradient
+        that autograd summed from two uses is an ordinary host tensor)."""
+        if self.holds(t):
+            return t
+        host = self.empty(t.shape, t.dtype)
+        host.copy_(t)
         return host
 
     def write(self, host: torch.Tensor, start: int, end: int, block: torch.Tensor) -> None:
-        """Copy the device ``block`` into rows [start, end) of ``host``, after the compute that made it."""
+        """Copy the device ``block`` (B, e - s, H) into rows [start, end) of ``host``, after the
+        compute that made it: rearranged to (e - s, B, H) on the device (no copy for batch 1), then
+        one transfer."""
         if not self.cuda:
-            host[:, start:end].copy_(block)
+            _rows_of(host, start, end).copy_(block.transpose(0, 1).contiguous())
             return
         self.side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.side):
-            host[:, start:end].copy_(block, non_blocking=True)
+            staged = block.transpose(0, 1).contiguous()  # Memory: one block, for batch > 1
+            _rows_of(host, start, end).copy_(staged, non_blocking=True)
         block.record_stream(self.side)  # Memory: the block is reused only after its copy
 
     def to_host(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,6 +99,8 @@ class HostStore:
         return host
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """The whole host tensor on the device, one transfer; it keeps the (T, B, H) memory (a
+        batch-major copy would double the largest device tensor of an offloaded step)."""
         return host.to(self.device, copy=True, non_blocking=self.cuda)
 
     def reader(self, reads: list[tuple[torch.Tensor, int, int]]) -> "BlockReader":
@@ -99,9 +129,11 @@ class BlockReader:
         host, start, end = self._reads[index]
         store = self._store
         if not store.cuda:
-            return host[:, start:end].to(store.device, copy=True), None
+            return _rows_of(host, start, end).to(store.device, copy=True).transpose(0, 1).contiguous(), None
         with torch.cuda.stream(store.side):  # (after every write the side stream was given before)
-            block = host[:, start:end].to(store.device, non_blocking=True)
+            # one transfer of the contiguous range, then (B, e - s, H) on the device, as the layer
+            # computes without offload (no copy for batch 1)
+            block = _rows_of(host, start, end).to(store.device, non_blocking=True).transpose(0, 1).contiguous()
             ready = torch.cuda.Event()
             ready.record(store.side)
         return block, ready
