@@ -19,7 +19,7 @@ def test_approx_activation_kernels_match_reference(kind, consts, n, dtype):
     x = (torch.randn(n) * 4).to(dtype)
     # thresholds themselves: strict > in both
     x[: min(n, 3)] = torch.tensor(consts.c[: min(n, 3)], dtype=dtype)
-    y, packed = _approx_act.approx_act_forward(kind, x, consts)
+    y, packed = _approx_act.approx_act_forward(kind, x, act_ref.thresholds(consts, dtype))
     y_ref, packed_ref = act_ref.approx_act_forward(kind, x)
     assert torch.equal(packed, packed_ref)  # the same codes, bit for bit
     tol = 1e-6 if dtype == torch.float32 else 1e-2
@@ -45,7 +45,37 @@ def test_ms_norm_kernels_match_reference(center, shape):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_cpu_tensors_use_the_reference_path():
+@pytest.mark.parametrize("kind,consts", [("gelu", act_ref.REGELU2), ("silu", act_ref.RESILU2)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_kernel_and_reference_codes_agree_bit_for_bit_at_the_thresholds(kind, consts, dtype):
+    """Every value of ``dtype`` around each threshold (the nearest, the two neighbours of each side,
+    the rounded-down one): the kernel (fp32 comparisons) and the reference (in x's dtype) give the
+    same codes, and those of the exact comparison x > c. Before the fix the reference compared
+    against c rounded to the nearest fp16/bf16 value: at a threshold that rounds up, that value
+    itself got another code from the kernel."""
+    values = []
+    for c in consts.c:
+        t = torch.tensor(c, dtype=torch.float64).to(dtype)
+        for direction in (float("-inf"), float("inf")):
+            v = t
+            for _ in range(3):
+                values.append(v)
+                v = torch.nextafter(v, torch.tensor(direction, dtype=dtype))
+    values += [torch.tensor(t, dtype=dtype) for t in act_ref.thresholds(consts, dtype)]
+    x = torch.stack(values)
+    _, packed = _approx_act.approx_act_forward(kind, x, act_ref.thresholds(consts, dtype))
+    codes = act_ref.unpack_2bit(packed, x.numel())
+    exact = sum((x.double() > c).to(torch.uint8) for c in consts.c)
+    assert torch.equal(codes, act_ref.step_codes(x, consts))
+    assert torch.equal(codes, exact)
+
+
+def test_cpu_and_float64_tensors_use_the_reference_path(monkeypatch):
+    """The kernels compute in fp32: a float64 tensor (an exactness check) keeps the reference even
+    on CUDA (``is_cuda`` answered yes here)."""
     from leanbp.kernels import use_triton
 
     assert not use_triton(torch.randn(3))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    assert use_triton(torch.randn(3)) and use_triton(torch.randn(3).bfloat16())
+    assert not use_triton(torch.randn(3, dtype=torch.float64))

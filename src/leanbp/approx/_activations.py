@@ -15,6 +15,7 @@ and the oracle of the Triton kernels (``leanbp.kernels._approx_act``) used for C
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -61,9 +62,26 @@ def unpack_2bit(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return ((packed[:, None] >> shifts) & 3).reshape(-1)[:numel]
 
 
+@functools.cache
+def thresholds(consts: StepConstants, dtype: torch.dtype) -> tuple[float, float, float]:
+    """The thresholds as values of ``dtype``: each c rounded down onto the dtype's grid, so that for
+    every x of that dtype, x > t exactly when x > c. A comparison in the input's dtype against c
+    itself would round c to the nearest value first (and miss or add the values between); against
+    these, the reference (comparing in x's dtype) and the Triton kernel (comparing in fp32, into
+    which every fp16/bf16/fp32 value and these thresholds convert exactly) give the same codes."""
+    out = []
+    for c in consts.c:
+        t = torch.tensor(c, dtype=torch.float64).to(dtype)  # nearest
+        if t.double() > c:  # rounded up: the next value below
+            t = torch.nextafter(t, torch.tensor(float("-inf"), dtype=dtype))
+        out.append(t.item())
+    return tuple(out)
+
+
 def step_codes(x: torch.Tensor, consts: StepConstants) -> torch.Tensor:
-    """The 2-bit flag of every element (uint8, x's shape), strict > at each threshold."""
-    c0, c1, c2 = consts.c
+    """The 2-bit flag of every element (uint8, x's shape), strict > at each threshold (exactly, in
+    x's dtype: ``thresholds``)."""
+    c0, c1, c2 = thresholds(consts, x.dtype)
     return (x > c0).to(torch.uint8) + (x > c1).to(torch.uint8) + (x > c2).to(torch.uint8)
 
 
@@ -98,7 +116,7 @@ class _ApproxActFunction(torch.autograd.Function):
         if use_triton(x):
             from ..kernels import _approx_act
 
-            y, packed = _approx_act.approx_act_forward(kind, x, REGELU2 if kind == "gelu" else RESILU2)
+            y, packed = _approx_act.approx_act_forward(kind, x, thresholds(REGELU2 if kind == "gelu" else RESILU2, x.dtype))
         else:
             y, packed = approx_act_forward(kind, x)
         ctx.kind = kind

@@ -42,12 +42,14 @@ def _bwd_kernel(g_ptr, packed_ptr, dx_ptr, n, l1, l2, l3, BLOCK: tl.constexpr):
     tl.store(dx_ptr + offs, (g * level).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def approx_act_forward(kind: str, x: torch.Tensor, consts) -> tuple[torch.Tensor, torch.Tensor]:
+def approx_act_forward(kind: str, x: torch.Tensor, thresholds) -> tuple[torch.Tensor, torch.Tensor]:
+    """``thresholds``: the reference's for x's dtype (``approx._activations.thresholds``), values
+    that fp32 holds exactly, so the kernel's fp32 comparison gives the reference's codes bit for bit."""
     x = x.contiguous()
     n = x.numel()
     y = torch.empty_like(x)
     packed = torch.empty((n + 3) // 4, dtype=torch.uint8, device=x.device)
-    c0, c1, c2 = consts.c
+    c0, c1, c2 = thresholds
     _fwd_kernel[(triton.cdiv(n, BLOCK),)](x, y, packed, n, c0, c1, c2, IS_GELU=kind == "gelu", BLOCK=BLOCK)
     return y, packed
 
