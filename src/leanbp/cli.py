@@ -91,7 +91,7 @@ def _add_bench(sub):
     p.add_argument("--dtype", choices=["fp32", "bf16", "autocast"],
                    help="stream suite: fp32 (default) or bf16; approx suite: autocast (default: fp32 parameters, "
                         "bf16 compute) or fp32")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="every suite: cpu (default) or cuda")
     p.add_argument("--chunk-size", type=_chunk_size, default=StreamConfig.chunk_size,
                    help='rows per chunk in a decoder layer (default 1024), or "auto"; method leanbp_auto runs "auto" '
                         "beside the fixed size")
@@ -110,9 +110,10 @@ def _add_plan(sub):
     p.add_argument("--model", default="qwen3-8b",
                    help=f"a preset ({', '.join(PRESETS)}), a model directory or a config.json (default qwen3-8b)")
     p.add_argument("--memory", default="80GiB", help="the device's memory, e.g. 80GiB, 141GB (default 80GiB)")
-    p.add_argument("--reserve", default="0GiB",
+    p.add_argument("--reserve", default="auto",
                    help="memory held back for what the plan does not model: CUDA context, kernel workspaces, "
-                        "allocator fragmentation (default 0)")
+                        "allocator fragmentation (default auto: 1 GiB + 64 MiB + 5%% of --memory, the report says "
+                        "why)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="parameters and gradients")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq-lens", help="comma-separated T to report (default 4096,16384,65536,131072,262144,1048576)")
@@ -135,7 +136,7 @@ def _plan(args) -> int:
     from .memory._plan_report import DEFAULT_SEQ_LENS, PlanRequest, format_plan, run_plan, write_plan
     from .memory._planner import load_config, parse_bytes
 
-    request = PlanRequest(model=args.model, memory=parse_bytes(args.memory), reserve=parse_bytes(args.reserve),
+    request = PlanRequest(model=args.model, memory=parse_bytes(args.memory), reserve=None if args.reserve == "auto" else parse_bytes(args.reserve),
                           dtype=args.dtype, batch=args.batch,
                           seq_lens=_ints(args.seq_lens, "--seq-lens") if args.seq_lens else list(DEFAULT_SEQ_LENS),
                           methods=[m.strip() for m in args.methods.split(",") if m.strip()],
@@ -221,7 +222,7 @@ def _bench(args) -> int:
 
         lengths = {"seq_lens": _per_objective(args.seq_lens)} if args.seq_lens is not None else {}
         case = TrlBenchCase(timed_steps=args.timed_steps, chunk_size=args.chunk_size,
-                            head_chunk_size=args.head_chunk_size, **lengths)
+                            head_chunk_size=args.head_chunk_size, device=args.device, **lengths)
         print(format_trl_table(run_trl_bench(case, args.out)))
         print(f"\nwrote {args.out}/bench_trl.csv, bench_trl.json, bench_trl.png")
         return 0
@@ -229,7 +230,7 @@ def _bench(args) -> int:
     if args.suite == "approx":
         case = ApproxBenchCase(**({"seq_lens": seq_lens} if seq_lens is not None else {}),
                                **({"batch": args.batch} if args.batch is not None else {}),
-                               **({"dtype": args.dtype} if args.dtype else {}))
+                               **({"dtype": args.dtype} if args.dtype else {}), device=args.device)
         print(format_approx_table(run_approx_bench(case, args.out)))
         print(f"\nwrote {args.out}/bench_approx.csv, bench_approx.json")
         return 0

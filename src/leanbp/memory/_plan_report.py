@@ -12,13 +12,45 @@ from pathlib import Path
 from ._planner import GiB, LABELS, METHODS, OPTIMIZER_BYTES_PER_PARAM, Planner
 
 DEFAULT_SEQ_LENS = [4096, 16384, 65536, 131072, 262144, 1048576]
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class CudaReserve:
+    """What a CUDA training process holds on the device besides its tensors, which a fake step
+    cannot see; ``leanbp plan`` holds it back from the budget unless ``--reserve`` says otherwise.
+
+    * ``context``: the CUDA context with the kernels a training step loads. Measured 0.27 GiB with
+      lazy module loading (PyTorch's default since 1.13) and 0.62 GiB without (pytorch/pytorch
+      PR 86509); "around 400MB if CUDA >= 11.7" (a maintainer, pytorch/pytorch issue 109888). cuBLAS,
+      cuDNN and the attention kernels load into it as they first run: 1 GiB leaves room for them.
+    * ``workspaces``: cuBLAS keeps a workspace per (handle, stream), 32 MiB on sm90+ and 8.1 MiB
+      before (aten/src/ATen/cuda/CublasHandlePool.cpp); two streams with offload: 64 MiB.
+    * ``fragmentation``: the caching allocator's reserved-but-unallocated memory at the peak, as a
+      share of the device memory: 5%, an assumption. It depends on how allocation sizes change over
+      a run (from tens of MiB to 16 of 93 reserved GiB in meta-pytorch/torchrec PR 4584); a streamed
+      step repeats the same chunk sizes, and ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+      keeps it small. ``benchmarks/cuda_check.py`` measures it when a GPU is lent.
+    """
+
+    context: int = GiB
+    workspaces: int = 64 * MiB
+    fragmentation: float = 0.05
+
+    def total(self, memory: int) -> int:
+        return self.context + self.workspaces + int(self.fragmentation * memory)
+
+    def describe(self, memory: int) -> str:
+        return (f"CUDA context {self.context / GiB:.2f} + cuBLAS workspaces {self.workspaces / GiB:.2f} + allocator "
+                f"fragmentation {self.fragmentation:.0%} of the memory {self.fragmentation * memory / GiB:.2f} GiB")
 
 
 @dataclass
 class PlanRequest:
     model: str = "qwen3-8b"
     memory: int = 80 * GiB  # the device's memory, bytes
-    reserve: int = 0  # held back for what the plan does not model (CUDA context, fragmentation)
+    # held back for what the plan does not model; None: ``CudaReserve``'s default for this memory
+    reserve: int | None = None
     dtype: str = "bf16"
     batch: int = 1
     seq_lens: list[int] = field(default_factory=lambda: list(DEFAULT_SEQ_LENS))
@@ -28,6 +60,7 @@ class PlanRequest:
     head_chunk_size: int = 256
     hold_outputs: bool = True
     lora_rank: int | None = None
+    reserve_note: str = "given"  # where the reserve comes from (filled in for the default)
 
     def __post_init__(self):
         bad = [m for m in self.methods if m not in METHODS]
@@ -38,6 +71,12 @@ class PlanRequest:
             raise ValueError(f"modes: {bad or 'none given'}; choose from backprop, step")
         if not self.seq_lens or any(not isinstance(t, int) or t < 1 for t in self.seq_lens):
             raise ValueError(f"seq_lens must be positive integers, got {self.seq_lens}")
+        if self.reserve is None:
+            self.reserve = CudaReserve().total(self.memory)
+            self.reserve_note = "default: " + CudaReserve().describe(self.memory) + "; --reserve to change"
+            if self.reserve >= self.memory:
+                raise ValueError(f"the default reserve ({self.reserve_note.split('; ')[0]}) is more than the memory "
+                                 f"({self.memory / GiB:.2f} GiB): pass --reserve (e.g. 0 for a toy budget)")
         if self.reserve >= self.memory:
             raise ValueError("the reserve must be smaller than the memory")
 
@@ -84,7 +123,7 @@ def format_plan(result: dict) -> str:
         + (f"LoRA r={req['lora_rank']} on every linear layer ({result['parameters'] / 1e6:.1f} M trainable "
            "parameters)" if req["lora_rank"] else f"full fine-tuning ({result['parameters'] / 1e9:.2f} B parameters)")
         + f", {req['dtype']}, batch {req['batch']}, device memory {_gib(req['memory'])} GiB - reserve "
-        f"{_gib(req['reserve'])} GiB; leanbp chunk {req['chunk_size']} rows; outputs "
+        f"{_gib(req['reserve'])} GiB ({req['reserve_note']}); leanbp chunk {req['chunk_size']} rows; outputs "
         f"{'held through' if req['hold_outputs'] else 'dropped before'} backward ({result['seconds']:.0f} s)",
         "",
         "Peak device memory, GiB (step = backprop + AdamW's two fp32 moments; * = from the phases' lines, not a "
