@@ -144,6 +144,7 @@ class ApproxBenchCase:
     method: str = "head"
     dtype: str = "autocast"
     timed_steps: int = 3
+    device: str = "cpu"
     timeout_s: int = 3600
 
     def __post_init__(self):
@@ -156,7 +157,7 @@ def run_approx_bench(case: ApproxBenchCase, out_dir: str | Path, progress: bool 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     specs = [{"model": "llama", "method": case.method, "approx": v, "lora": lora, "seq_len": T, "batch": case.batch,
-              "dtype": case.dtype, "timed_steps": case.timed_steps}
+              "dtype": case.dtype, "timed_steps": case.timed_steps, "device": case.device}
              for lora in case.lora for T in case.seq_lens for v in case.variants]
     rows = []
     bar = tqdm(specs, desc="bench approx", disable=not progress, unit="case")
@@ -190,6 +191,7 @@ class TrlBenchCase:
     timed_steps: int = 3
     chunk_size: int | str = StreamConfig.chunk_size
     head_chunk_size: int = StreamConfig.head_chunk_size
+    device: str = "cpu"  # cpu, or cuda: the trainers' accelerator places the model
     timeout_s: int = 7200
 
     def __post_init__(self):
@@ -209,7 +211,7 @@ def run_trl_bench(case: TrlBenchCase, out_dir: str | Path, progress: bool = True
             order = case.methods if i % 2 == 0 else case.methods[::-1]  # no method always runs first
             specs += [{"suite": "trl", "objective": objective, "method": m, "seq_len": T,
                        "timed_steps": case.timed_steps, "chunk_size": case.chunk_size,
-                       "head_chunk_size": case.head_chunk_size} for m in order]
+                       "head_chunk_size": case.head_chunk_size, "device": case.device} for m in order]
     rows = []
     bar = tqdm(specs, desc="bench trl", disable=not progress, unit="case")
     for spec in bar:
@@ -264,6 +266,8 @@ def plot_trl(rows: list[dict], path: Path) -> None:
         for method, style in (("ckpt", "o--"), ("ckpt_head", "s:"), ("leanbp", "o-")):
             ok = sorted((r for r in rows if r["objective"] == objective and r["method"] == method and "error" not in r),
                         key=lambda r: r["seq_len"])
+            if not ok:  # (a method whose every case failed: its rows say why)
+                continue
             T = [r["seq_len"] for r in ok]
             axes[0][col].plot(T, [r["activations"] / MiB for r in ok], style, label=TRL_METHODS[method])
             axes[1][col].plot(T, [r["step_s"] for r in ok], style, label=TRL_METHODS[method])

@@ -64,7 +64,8 @@ def _trainer(spec: dict, model):
 
     objective, T, method = spec["objective"], spec["seq_len"], spec["method"]
     steps = 1 + spec.get("timed_steps", 3)
-    common = dict(output_dir="/tmp/leanbp-bench-trl", max_steps=steps, learning_rate=1e-5, report_to=[], use_cpu=True,
+    common = dict(output_dir="/tmp/leanbp-bench-trl", max_steps=steps, learning_rate=1e-5, report_to=[],
+                  use_cpu=torch.device(spec.get("device", "cpu")).type == "cpu",
                   bf16=False, fp16=False, save_strategy="no", logging_steps=1, disable_tqdm=True,
                   dataloader_num_workers=0, gradient_checkpointing=method != "leanbp",
                   gradient_checkpointing_kwargs={"use_reentrant": False})
