@@ -141,7 +141,8 @@ def test_streamed_model_on_the_reference_backend_matches_the_cpu_kernel(monkeypa
 
 def test_the_prepared_gpu_check_runs_on_cpu(tmp_path):
     """`benchmarks/cuda_check.py` is run once when a GPU is lent: its CPU run (tiny shapes) keeps it
-    working, with the streamed error within the bar of plain autograd's in fp32 and bf16."""
+    working, with the streamed error within the bar of plain autograd's in fp32 and bf16, every mask
+    kind within the bar of the reference backend's, and offload at batch 2 bit for bit."""
     import json
     import subprocess
     import sys
@@ -153,4 +154,7 @@ def test_the_prepared_gpu_check_runs_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads((tmp_path / "cuda_check.json").read_text())
     assert [r["dtype"] for r in result["exactness"]] == ["fp32", "bf16"] and all(r["ok"] for r in result["exactness"])
+    assert {(r["case"], r["dtype"]) for r in result["masks"]} == {
+        (c, d) for c in ("window", "padding", "documents", "softcap") for d in ("fp32", "bf16")}
+    assert all(r["ok"] for r in result["masks"]) and all(r["bit_identical"] for r in result["offload"])
     assert {r["method"] for r in result["timing"]} == {"ckpt", "leanbp", "leanbp_offload"}
