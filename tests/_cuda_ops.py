@@ -181,7 +181,8 @@ class StrictCudaOps:
         seen = torch.isfinite(ref_lse)
         out = out.masked_fill_(~seen[..., None], 0.0)
         # KFWD: lse (B, H, ceil(M / kAlignLSE) * kAlignLSE), kAlignLSE = 32, the pad filled with +inf;
-        # ROCm (AOTriton): compact, kAlignLSE = 1 (META: logsumexp_dim = M under torch.version.hip)
+        # ROCm (AOTriton): compact, kAlignLSE = 1 (META: logsumexp_dim = M under torch.version.hip).
+        # Natural log, as the reference's (KFWD: mi / kLog2e + log(s_prime))
         width = math.ceil(M / self.lse_row_multiple) * self.lse_row_multiple
         lse = torch.full((B, H, width), float("inf"), dtype=ref_lse.dtype)
         lse[..., :M] = torch.where(seen, ref_lse, 0.0)
