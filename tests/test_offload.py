@@ -164,3 +164,19 @@ def test_every_host_copy_is_one_transfer_for_any_batch(monkeypatch):
     assert len(copies.copies) > 4 * 7  # every layer's blocks both ways (45 rows in chunks of 7)
     for dst, src in copies.copies:
         assert dst[1] and src[1] and dst[0] == src[0], (dst, src)
+
+
+def test_whole_tensor_moves_are_batch_major_on_the_device_and_go_by_row_blocks(monkeypatch):
+    """The head takes the last layer's output as (B * T, H) rows: brought back from the (T, B, H)
+    host memory it must be batch-major on the device (else the head copies it whole), and both
+    whole-tensor moves go in row blocks, so batch 2 never holds a second full-size device copy."""
+    from leanbp.engine._offload import HostStore
+
+    monkeypatch.setattr(HostStore, "WHOLE_BLOCK_ROWS", 4)
+    store = HostStore(torch.device("cpu"))
+    x = torch.randn(2, 10, 3)
+    host = store.to_host(x)
+    assert host.transpose(0, 1).is_contiguous() and torch.equal(host, x)
+    back = store.to_device(host)
+    assert back.is_contiguous() and torch.equal(back, x)
+    assert back.reshape(20, 3).data_ptr() == back.data_ptr()  # (B * T, H) is a view, no copy

@@ -92,16 +92,37 @@ class HostStore:
             _rows_of(host, start, end).copy_(staged, non_blocking=True)
         block.record_stream(self.side)  # Memory: the block is reused only after its copy
 
+    # Memory: a whole-tensor move rearranges (T, B, H) <-> (B, T, H) this many rows at a time, so
+    # for batch > 1 the device holds one such block beside the tensor, never a second copy of it
+    WHOLE_BLOCK_ROWS = 4096
+
+    def _whole_blocks(self, rows: int) -> list[tuple[int, int]]:
+        return [(s, min(s + self.WHOLE_BLOCK_ROWS, rows)) for s in range(0, rows, self.WHOLE_BLOCK_ROWS)]
+
     def to_host(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole device tensor (B, T, H) into a new host tensor, in row blocks."""
         host = self.empty(x.shape, x.dtype)
-        self.write(host, 0, x.shape[1], x)
+        for s, e in self._whole_blocks(x.shape[1]):
+            self.write(host, s, e, x[:, s:e])
         self.finish()
         return host
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """The whole host tensor on the device, one transfer; it keeps the (T, B, H) memory (a
-        batch-major copy would double the largest device tensor of an offloaded step)."""
-        return host.to(self.device, copy=True, non_blocking=self.cuda)
+        """The whole host tensor as a batch-major (B, T, H) device tensor, as without offload (the
+        head views it as (B * T, H) rows: a (T, B, H) one would be copied whole there), in row
+        blocks."""
+        out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        if not self.cuda:
+            for s, e in self._whole_blocks(host.shape[1]):
+                out[:, s:e] = _rows_of(host, s, e).to(self.device, copy=True).transpose(0, 1)
+            return out
+        self.side.wait_stream(torch.cuda.current_stream(self.device))  # (out is allocated on this one)
+        with torch.cuda.stream(self.side):
+            for s, e in self._whole_blocks(host.shape[1]):
+                out[:, s:e] = _rows_of(host, s, e).to(self.device, non_blocking=True).transpose(0, 1)
+        torch.cuda.current_stream(self.device).wait_stream(self.side)
+        out.record_stream(self.side)
+        return out
 
     def reader(self, reads: list[tuple[torch.Tensor, int, int]]) -> "BlockReader":
         return BlockReader(self, reads)
