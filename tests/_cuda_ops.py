@@ -81,6 +81,10 @@ class StrictCudaOps:
         _check(head_dim % 8 == 0, "head_size must be a multiple of 8, this is ensured by padding!")
         # FLASH_API: head_size_og <= 256 (forward), head_size <= 256 (backward)
         _check(head_dim <= 256, f"FlashAttention {direction} only supports head dimension at most 256")
+        # sdp_utils.cpp check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89: the backward on
+        # sm86/sm89 lacks the shared memory for head dims over 192 (SDPA refuses flash for training there)
+        _check(direction == "forward" or self.capability not in ((8, 6), (8, 9)) or head_dim <= 192,
+               "FlashAttention backward for head dim > 192 requires A100/H100 or newer (sm80, sm90)")
         # FLASH_API: grouped-query heads are taken as they are
         _check(q.shape[1] % k.shape[1] == 0, "Number of heads in key/value must divide number of heads in query")
         _check(k.shape == v.shape, "key and value must have the same shape")
@@ -112,6 +116,8 @@ class StrictCudaOps:
         _check(tuple(lse.shape) == tuple(q.shape[:3]), f"softmax_lse must be (B, H, M) = {tuple(q.shape[:3])}, "
                                                        f"got {tuple(lse.shape)}")
         _check(lse.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32), "softmax_lse is float32")
+        # FLASH_API: softmax_lse is read as a packed (B, H, M) array, without its strides
+        _check(lse.is_contiguous(), "softmax_lse must be contiguous")
         # ATTN_BWD: dense attention has no cumulative sequence lengths; max_q / max_k are the lengths
         _check(cum_seq_q is None and cum_seq_k is None, "dense flash attention takes no cum_seq tensors")
         _check((max_q, max_k) == (q.shape[2], k.shape[2]), "max_q / max_k must be the sequence lengths")

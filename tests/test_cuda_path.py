@@ -172,6 +172,8 @@ def test_finding_2_rocm_lse_is_handed_back_compact(monkeypatch):
     ((9, 0), torch.bfloat16, 16, None, "flash"),
     ((7, 5), torch.float16, 16, None, "efficient"),  # flash needs sm80+
     ((9, 0), torch.bfloat16, 264, None, "efficient"),  # flash takes head dims up to 256
+    ((8, 6), torch.bfloat16, 200, None, "efficient"),  # ... and its backward up to 192 on sm86/sm89
+    ((8, 6), torch.bfloat16, 192, None, "flash"),
     ((9, 0), torch.bfloat16, 12, None, "math"),  # half precision: both kernels need a multiple of 8
     ((9, 0), torch.bfloat16, 16, SDPBackend.EFFICIENT_ATTENTION, "efficient"),  # the user's choice
     ((9, 0), torch.bfloat16, 16, SDPBackend.MATH, "math"),
@@ -187,6 +189,21 @@ def test_finding_3_flash_only_where_eligible_and_as_the_user_chose(monkeypatch, 
     kernels = {k.split("_")[0] for k, n in ops.calls.items() if n}
     assert kernels == ({want} if want != "math" else set()), ops.calls
     _assert_close(got, _chunk_call(MATH, monkeypatch, dtype=dtype, D=head_dim), 1e-2)
+
+
+def test_the_kernels_chosen_in_forward_also_run_the_backward(monkeypatch):
+    """``with sdpa_kernel([EFFICIENT_ATTENTION]): loss = model(x)`` then ``loss.backward()`` outside
+    the block: leanbp's backward recomputes the attention, and it must do so with the kernels the
+    forward was allowed (as SDPA's backward does), not with whatever is enabled when backward runs."""
+    ops = StrictCudaOps()
+    monkeypatch.setattr(_attention, "backend_for", lambda device: ops.backend())
+    model = tiny_model("llama", dtype=torch.bfloat16, **ONE_LAYER)
+    leanbp.stream(model, chunk_size=16)
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert ops.calls["efficient_bwd"] > 0 and ops.calls["flash_fwd"] == ops.calls["flash_bwd"] == 0, ops.calls
 
 
 def test_finding_3_a_block_no_enabled_kernel_takes_is_a_clear_error(monkeypatch):

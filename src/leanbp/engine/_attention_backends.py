@@ -27,6 +27,7 @@ merge masks it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Callable
@@ -111,6 +112,10 @@ class CpuFlashAttention:
 # of each and enforces it on CPU):
 FLASH_MAX_HEAD_DIM = 256
 FLASH_MIN_CAPABILITY = (8, 0)
+# flash's backward on sm86/sm89 (consumer Ampere/Ada) takes head dims up to 192 (SDPA:
+# check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89); leanbp always trains
+FLASH_SMALL_SMEM = ((8, 6), (8, 9))
+FLASH_SMALL_SMEM_MAX_HEAD_DIM = 192
 # the memory-efficient kernel reads a bias whose pointer and strides (batch, head, row) are multiples
 # of 8 elements for fp16/bf16 and 4 for fp32; 16 serves every dtype
 BIAS_ALIGNMENT = 16
@@ -123,6 +128,31 @@ def _sdpa_switches() -> dict[str, bool]:
     cuda = torch.backends.cuda
     return {"flash": cuda.flash_sdp_enabled(), "efficient": cuda.mem_efficient_sdp_enabled(),
             "math": cuda.math_sdp_enabled()}
+
+
+class SdpaSwitches:
+    """The SDPA kernel switches active in forward, replayed around the recomputation in backward:
+    a user's ``with sdpa_kernel(...): loss = model(x)`` chooses the kernels of the whole step, as it
+    does for SDPA, even though leanbp's backward (outside that block) recomputes the attention."""
+
+    _SETTERS = {"flash": "enable_flash_sdp", "efficient": "enable_mem_efficient_sdp", "math": "enable_math_sdp"}
+
+    def __init__(self):
+        self.switches = _sdpa_switches()
+
+    @contextlib.contextmanager
+    def __call__(self):
+        before = _sdpa_switches()
+        if before == self.switches:
+            yield
+            return
+        for name, on in self.switches.items():
+            getattr(torch.backends.cuda, self._SETTERS[name])(on)
+        try:
+            yield
+        finally:
+            for name, on in before.items():
+                getattr(torch.backends.cuda, self._SETTERS[name])(on)
 
 
 @functools.cache
@@ -189,8 +219,9 @@ class CudaKernels:
         head_dim = q.shape[-1]
         half = q.dtype in (torch.float16, torch.bfloat16)
         capability = self.capability(q.device)
+        max_head_dim = FLASH_SMALL_SMEM_MAX_HEAD_DIM if tuple(capability) in FLASH_SMALL_SMEM else FLASH_MAX_HEAD_DIM
         if (switches["flash"] and not biased and half and capability >= FLASH_MIN_CAPABILITY and self.flash_built()
-                and head_dim % 8 == 0 and head_dim <= FLASH_MAX_HEAD_DIM):
+                and head_dim % 8 == 0 and head_dim <= max_head_dim):
             return "flash"
         efficient_dtypes = {torch.float16, torch.float32} | ({torch.bfloat16} if capability >= (8, 0) else set()) | \
             ({torch.float64} if self.float64 else set())

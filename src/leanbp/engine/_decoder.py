@@ -16,6 +16,7 @@ from torch import nn
 from ..distributed import check_layers
 from ..memory import in_phase
 from ._attention import Documents, KeyKeep
+from ._attention_backends import SdpaSwitches
 from ._calls import call_through
 from ._grads import AutocastState, GradSum
 from ._layer import LayerRun, StreamedLayerFunction
@@ -71,6 +72,7 @@ def decoder_layers(adapter, chunk_rows_for, input_ids=None, inputs_embeds=None, 
     key_keep = KeyKeep.from_attention_mask(attention_mask, hidden.device)  # (one host read per forward)
     stats = RouterStats(None if key_keep is None else key_keep.mask, B, T) if router_stats else None
     autocast = AutocastState(hidden.device.type)
+    sdpa = SdpaSwitches()  # (replayed around the layers' recompute, as autocast is)
     rows = chunk_rows_for(hidden)
     check_layers(adapter.layers())
     # (without a graph nothing is kept for backward: nothing to offload)
@@ -82,7 +84,7 @@ def decoder_layers(adapter, chunk_rows_for, input_ids=None, inputs_embeds=None, 
         run = LayerRun(adapter=adapter, layer=layer, window=adapter.sliding_window(i),
                        softcap=adapter.attention_softcap(i), rope=rope[i], key_keep=key_keep,
                        documents=documents, chunk_size=rows, autocast=autocast, router=router,
-                       router_stats=stats if router is not None else None, offload=store)
+                       router_stats=stats if router is not None else None, offload=store, sdpa=sdpa)
         # the layer's own call runs the streamed layer, so engine hooks fire once per layer per step
         hidden = call_through(layer, partial(_streamed_layer, layer, run), hidden)
     if store is not None:  # the final norm and the head take the last layer's output whole

@@ -19,13 +19,14 @@ router probabilities (E,), and adds that output's gradient to every recomputed c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ..memory import in_phase
 from ._attention import ChunkMasks, Documents, KeyKeep, PrefixGradSink, key_start
+from ._attention_backends import SdpaSwitches
 from ._grads import AutocastState, GradSum
 from ._moe import RouterStats
 from ._offload import HostStore, backward_reads
@@ -47,6 +48,8 @@ class LayerRun:
     router: object = None  # models.Router of a mixture-of-experts layer whose statistics are asked for
     router_stats: RouterStats | None = None
     offload: HostStore | None = None  # the layer's input, output and their gradients live on the host
+    # the attention kernels enabled in forward, replayed for the recompute and its backward
+    sdpa: SdpaSwitches = field(default_factory=SdpaSwitches)
 
     def chunks(self, length: int) -> list[tuple[int, int]]:
         return [(s, min(s + self.chunk_size, length)) for s in range(0, length, self.chunk_size)]
@@ -174,7 +177,7 @@ class StreamedLayerFunction(torch.autograd.Function):
                 # as (B, Hkv, s - kb, D) on the single-SDPA path), never as T-row tensors
                 prefix_key = key[:, :, kb:s].detach().requires_grad_()
                 prefix_value = value[:, :, kb:s].detach().requires_grad_()
-            with torch.enable_grad(), run.autocast():
+            with torch.enable_grad(), run.autocast(), run.sdpa():
                 out_c, key_c, value_c, logits = run.chunk_out(hidden_c, prefix_key, prefix_value, s, e, sink)
                 prob_sum_c = None
                 if grad_prob_sum is not None:  # the load-balancing loss's share of this chunk
@@ -190,7 +193,8 @@ class StreamedLayerFunction(torch.autograd.Function):
                         grad_outputs.append(d[:, :, s:e])
             prefix = [t for t in (prefix_key, prefix_value) if t is not None and key_c.requires_grad]
             inputs = ([hidden_c] if need_input else []) + prefix + trainable
-            g = list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True))
+            with run.sdpa():  # (the attention's backward picks its kernel too)
+                g = list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True))
             if need_input:  # final: no other chunk reaches rows [s, e)
                 if run.offload is not None:
                     run.offload.write(dhidden, s, e, g.pop(0))
