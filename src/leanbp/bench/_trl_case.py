@@ -19,6 +19,7 @@ import time
 import torch
 
 from .. import memory
+from ._case import _sync
 from .._builtin import BENCH_QWEN3, build_model, qwen3_config
 from .._data import verses
 from .._tokenizer import byte_tokenizer
@@ -129,9 +130,11 @@ class _StepProbe:
         if self.report is None:
             self._tracker = memory.track(self.trainer.model)
             self._tracker.__enter__()
+        _sync(next(self.trainer.model.parameters()).device)  # (a GPU: only this step's work is timed)
         self._t0 = time.perf_counter()
 
     def _stop(self):
+        _sync(next(self.trainer.model.parameters()).device)
         seconds = time.perf_counter() - self._t0
         if self._tracker is not None:
             self._tracker.__exit__(None, None, None)
