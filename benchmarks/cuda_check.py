@@ -51,7 +51,7 @@ import transformers
 
 import leanbp
 from leanbp._builtin import build_model, qwen3_config
-from leanbp.bench._case import _sync
+from leanbp.bench._timing import synchronize
 from leanbp.engine import _attention
 from leanbp.engine._attention_backends import CUDA_KERNELS, MATH
 
@@ -259,10 +259,10 @@ def timing(shape, device, layers, T, method, steps=3):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(steps + 1):  # the first is the warm-up
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         model(input_ids=ids, labels=ids).loss.backward()
-        _sync(device)
+        synchronize(device)
         if step:
             times.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=False)

@@ -13,16 +13,13 @@ import time
 
 import torch
 
+from ._timing import synchronize
+
 # head: transformers' decoder + leanbp's chunked loss; leanbp_auto: leanbp with chunk_size="auto";
 # leanbp_offload: leanbp with the hidden states between layers in host memory (its host bytes are reported apart)
 METHODS = ("plain", "ckpt", "leanbp", "leanbp_auto", "leanbp_offload", "head")
 APPROX = ("none", "act", "norm", "both")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def build_case_model(spec: dict):
@@ -93,10 +90,10 @@ def run_case(spec: dict) -> dict:
     # then time, with nothing watching: the median of `timed_steps` steps
     times = []
     for _ in range(spec.get("timed_steps", 1)):
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         step()
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=False)
     seconds = sorted(times)[len(times) // 2]

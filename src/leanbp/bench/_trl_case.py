@@ -19,7 +19,7 @@ import time
 import torch
 
 from .. import memory
-from ._case import _sync
+from ._timing import synchronize
 from .._builtin import BENCH_QWEN3, build_model, qwen3_config
 from .._data import verses
 from .._tokenizer import byte_tokenizer
@@ -105,7 +105,7 @@ class _StepProbe:
 
     def __init__(self, trainer):
         self.trainer, self.report, self.times, self.tokens = trainer, None, [], []
-        self._tracker = self._t0 = None
+        self._tracker = self._t0 = self._device = None
         compute_loss, backward = trainer.compute_loss, trainer.accelerator.backward
 
         def probed_compute_loss(model, inputs, *args, **kwargs):
@@ -130,11 +130,12 @@ class _StepProbe:
         if self.report is None:
             self._tracker = memory.track(self.trainer.model)
             self._tracker.__enter__()
-        _sync(next(self.trainer.model.parameters()).device)  # (a GPU: only this step's work is timed)
+        self._device = next(self.trainer.model.parameters()).device  # (placed by the trainer by now)
+        synchronize(self._device)  # (a GPU: only this step's work is timed)
         self._t0 = time.perf_counter()
 
     def _stop(self):
-        _sync(next(self.trainer.model.parameters()).device)
+        synchronize(self._device)
         seconds = time.perf_counter() - self._t0
         if self._tracker is not None:
             self._tracker.__exit__(None, None, None)
