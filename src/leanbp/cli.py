@@ -136,7 +136,8 @@ def _plan(args) -> int:
     from .memory._plan_report import DEFAULT_SEQ_LENS, PlanRequest, format_plan, run_plan, write_plan
     from .memory._planner import load_config, parse_bytes
 
-    request = PlanRequest(model=args.model, memory=parse_bytes(args.memory), reserve=None if args.reserve == "auto" else parse_bytes(args.reserve),
+    reserve = None if args.reserve == "auto" else parse_bytes(args.reserve)  # (None: the default reserve)
+    request = PlanRequest(model=args.model, memory=parse_bytes(args.memory), reserve=reserve,
                           dtype=args.dtype, batch=args.batch,
                           seq_lens=_ints(args.seq_lens, "--seq-lens") if args.seq_lens else list(DEFAULT_SEQ_LENS),
                           methods=[m.strip() for m in args.methods.split(",") if m.strip()],

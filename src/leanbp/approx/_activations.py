@@ -116,7 +116,8 @@ class _ApproxActFunction(torch.autograd.Function):
         if use_triton(x):
             from ..kernels import _approx_act
 
-            y, packed = _approx_act.approx_act_forward(kind, x, thresholds(REGELU2 if kind == "gelu" else RESILU2, x.dtype))
+            consts = REGELU2 if kind == "gelu" else RESILU2
+            y, packed = _approx_act.approx_act_forward(kind, x, thresholds(consts, x.dtype))
         else:
             y, packed = approx_act_forward(kind, x)
         ctx.kind = kind

@@ -10,9 +10,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ._planner import GiB, LABELS, METHODS, OPTIMIZER_BYTES_PER_PARAM, Planner
+from ._tracker import MiB
 
 DEFAULT_SEQ_LENS = [4096, 16384, 65536, 131072, 262144, 1048576]
-MiB = 2**20
 
 
 @dataclass(frozen=True)
@@ -72,11 +72,12 @@ class PlanRequest:
         if not self.seq_lens or any(not isinstance(t, int) or t < 1 for t in self.seq_lens):
             raise ValueError(f"seq_lens must be positive integers, got {self.seq_lens}")
         if self.reserve is None:
-            self.reserve = CudaReserve().total(self.memory)
-            self.reserve_note = "default: " + CudaReserve().describe(self.memory) + "; --reserve to change"
+            default = CudaReserve()
+            self.reserve, parts = default.total(self.memory), default.describe(self.memory)
+            self.reserve_note = f"default: {parts}; --reserve to change"
             if self.reserve >= self.memory:
-                raise ValueError(f"the default reserve ({self.reserve_note.split('; ')[0]}) is more than the memory "
-                                 f"({self.memory / GiB:.2f} GiB): pass --reserve (e.g. 0 for a toy budget)")
+                raise ValueError(f"the default reserve ({parts}) is more than the memory ({self.memory / GiB:.2f} GiB): "
+                                 "pass --reserve (e.g. 0 for a toy budget)")
         if self.reserve >= self.memory:
             raise ValueError("the reserve must be smaller than the memory")
 
