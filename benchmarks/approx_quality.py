@@ -10,7 +10,8 @@ import argparse
 import json
 from pathlib import Path
 
-from leanbp._train import TrainConfig, train
+from leanbp.streaming import StreamConfig
+from leanbp.train import TrainConfig, train
 
 VARIANTS = {"none": "exact backward", "both": "ReSiLU2 + MS-RMSNorm (approximate)"}
 
@@ -28,7 +29,7 @@ def main() -> None:
     for variant in VARIANTS:
         cfg = TrainConfig(out=str(out / variant), steps=args.steps, seq_len=args.seq_len,
                           batch_size=args.batch_size, lr=args.lr, warmup=20, approx=variant,
-                          save_every=args.steps, chunk_size=args.seq_len)
+                          save_every=args.steps, stream=StreamConfig(chunk_size=args.seq_len))
         curves[variant] = train(cfg)["losses"]
 
     def final(losses):  # mean of the last 10 steps: one batch's loss is noisy

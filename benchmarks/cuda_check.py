@@ -37,6 +37,7 @@ import os
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import argparse
+import contextlib
 import datetime
 import json
 import statistics
@@ -50,10 +51,9 @@ import torch
 import transformers
 
 import leanbp
-from leanbp._builtin import build_model, qwen3_config
-from leanbp.bench._timing import synchronize
-from leanbp.engine import _attention
-from leanbp.engine._attention_backends import CUDA_KERNELS, MATH
+from leanbp.bench import synchronize
+from leanbp.engine import CUDA_KERNELS, MATH, forced_backend
+from leanbp.train import build_model, qwen3_config
 
 QWEN3_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 intermediate_size=12288, vocab_size=151936)
@@ -158,26 +158,21 @@ class _KernelCalls:
 
 def mask_kinds(device, small: bool):
     rows = []
-    device_backend = _attention.backend_for
-
     for case in ("window", "padding", "documents", "softcap"):
         config, inputs, chunk = _mask_case(case, small, device)
         torch.manual_seed(0)
         base = transformers.AutoModelForCausalLM.from_config(config)
 
-        def streamed(dtype, backend):
+        def streamed(dtype, backend=None):  # (None: the device's own kernels)
             model = leanbp.stream(copy_module(base).to(device=device, dtype=dtype).train(), chunk_size=chunk)
-            _attention.backend_for = backend
-            try:
+            with forced_backend(backend) if backend is not None else contextlib.nullcontext():
                 return _grads(model, **inputs)
-            finally:
-                _attention.backend_for = device_backend
 
-        _, ref = streamed(torch.float64, lambda d: MATH)
+        _, ref = streamed(torch.float64, MATH)
         for name, dtype in DTYPES:
             with _KernelCalls() as kernels:
-                _, got = streamed(dtype, device_backend)
-            _, math = streamed(dtype, lambda d: MATH)
+                _, got = streamed(dtype)
+            _, math = streamed(dtype, MATH)
             kernel_err, math_err = _error(got, ref), _error(math, ref)
             # on CUDA the window, padding and document cases must reach the CUDA ops (a silent fall
             # back to the reference would pass the error bar); soft-capping never does, by design

@@ -20,7 +20,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, seed, settings
 from tqdm import tqdm
 
-from leanbp._verify import check_case, exact_cases
+from leanbp.testing import check_case, exact_cases
 
 TOL = 1e-12
 

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from leanbp._faults import fingerprint, kill_and_resume, run_to_completion
+from leanbp.testing import fingerprint, kill_and_resume, run_to_completion
 
 
 def main() -> None:

@@ -3,7 +3,7 @@ lines) against `leanbp.memory.track` on real tensors, for the bench model on thi
 
     python benchmarks/plan_calibration.py --out benchmarks/results/plan_calibration
 
-Every (method, T) runs the same training step (`leanbp.memory._planner.training_step`: the loss and
+Every (method, T) runs the same training step (`leanbp.plan.training_step`: the loss and
 its backward, outputs held through backward) once for real and is predicted once by the planner.
 Writes calibration.csv / calibration.json and prints a table with the relative difference.
 """
@@ -14,27 +14,25 @@ import argparse
 import csv
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-import leanbp
-from leanbp._builtin import bench_config
-from leanbp.bench._case import build_case_model
-from leanbp.bench._run import machine
-from leanbp.memory._planner import METHODS, Planner, training_step
-
-MiB = 2**20
+from leanbp import StreamConfig
+from leanbp.bench import bench_config, build_case_model, machine
+from leanbp.memory import MemoryReport, MiB, track
+from leanbp.plan import Planner, training_step
+from leanbp.streaming import PLANNED
 
 
-def measured(method: str, T: int, chunk_size: int, head_chunk_size: int) -> leanbp.memory.MemoryReport:
+def measured(method: str, T: int, stream: StreamConfig) -> MemoryReport:
     """The step on real tensors (the bench case's model: fp32, batch 1), measured by the live-bytes tracker."""
-    model, config = build_case_model({"method": method, "seq_len": T, "chunk_size": chunk_size,
-                                      "head_chunk_size": head_chunk_size})
+    model, config = build_case_model({"method": method, "seq_len": T, "stream": asdict(stream)})
     for p in model.parameters():  # steady state: gradients resident, as the planner assumes
         p.grad = torch.zeros_like(p)
     ids = torch.randint(0, config.vocab_size, (1, T), generator=torch.Generator().manual_seed(0))
-    with leanbp.memory.track(model) as mem:
+    with track(model) as mem:
         training_step(model, ids)
     return mem.report
 
@@ -42,16 +40,16 @@ def measured(method: str, T: int, chunk_size: int, head_chunk_size: int) -> lean
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", default="2048,8192,16384")
-    parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--chunk-size", type=int, default=1024)
-    parser.add_argument("--head-chunk-size", type=int, default=256)
+    parser.add_argument("--methods", default=",".join(PLANNED))
+    parser.add_argument("--chunk-size", type=int, default=StreamConfig().chunk_size)
+    parser.add_argument("--head-chunk-size", type=int, default=StreamConfig().head_chunk_size)
     parser.add_argument("--out", default="plan_calibration")
     args = parser.parse_args()
     seq_lens = [int(t) for t in args.seq_lens.split(",")]
     methods = args.methods.split(",")
 
-    planner = Planner(bench_config("qwen3", max_positions=2048), dtype="fp32", chunk_size=args.chunk_size,
-                      head_chunk_size=args.head_chunk_size)
+    stream = StreamConfig(chunk_size=args.chunk_size, head_chunk_size=args.head_chunk_size)
+    planner = Planner(bench_config("qwen3", max_positions=2048), dtype="fp32", stream=stream)
     rows = []
     for method in methods:
         for T in seq_lens:
@@ -60,7 +58,7 @@ def main() -> None:
             by_lines = planner.peak(method, T)  # the phases' lines (a fake step when T is below their range)
             plan_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-            real = measured(method, T, args.chunk_size, args.head_chunk_size)
+            real = measured(method, T, stream)
             rows.append({"method": method, "seq_len": T, "measured_act_mib": real.activations / MiB,
                          "planned_act_mib": by_probe.activations / MiB, "lines_act_mib": by_lines.activations / MiB,
                          "measured_host_mib": real.host / MiB, "planned_host_mib": by_probe.host / MiB,

@@ -68,9 +68,9 @@ def _attention_backward_seconds(prof) -> float:
 
 
 def run_method(method: str, seq_len: int, out: Path) -> dict:
-    from leanbp.bench._case import build_case_model
+    from leanbp.bench import build_case_model
 
-    spec = {"method": method, "seq_len": seq_len, "chunk_size": 1024, "head_chunk_size": 256}
+    spec = {"method": method, "seq_len": seq_len}  # (StreamConfig's default chunk sizes)
     model, config = build_case_model(spec)
     ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
     timers = Timers()
@@ -87,13 +87,15 @@ def run_method(method: str, seq_len: int, out: Path) -> dict:
         return seconds
 
     if method == "leanbp":
+        # (a profiler reaches into the modules it times: the layer's chunks, the streamed head's call)
         import leanbp.engine._layer as layer_mod
-        import leanbp.engine._stream as stream_mod
+        import leanbp.streaming._forwards as forwards_mod
+        from leanbp.engine import LayerCall
         from leanbp.models import DecoderAdapter
 
-        timers.wrap(layer_mod.LayerRun, "chunk_out", lambda: "recompute" if in_backward[0] else "forward")
+        timers.wrap(LayerCall, "chunk_out", lambda: "recompute" if in_backward[0] else "forward")
         timers.wrap(DecoderAdapter, "key_value", lambda: "prefix K/V")
-        timers.wrap(stream_mod, "cross_entropy", lambda: "head")
+        timers.wrap(forwards_mod, "cross_entropy", lambda: "head")
         plain_grad = torch.autograd.grad
 
         def grad(*args, **kwargs):  # the layer's chunk backward (the head takes its gradient in forward)
@@ -179,7 +181,7 @@ def main() -> None:
         results.append(json.loads(line[len("PHASES "):]))
         r = results[-1]
         print(f"{method:8s} {r['total_s']:7.1f} s  " + "  ".join(f"{k}: {v:.1f}" for k, v in r["phases"].items()))
-    from leanbp.bench._run import machine
+    from leanbp.bench import machine
 
     (out / "phases.json").write_text(json.dumps({"machine": machine(), "results": results}, indent=1))
     plot(results, out / "phases.png")

@@ -26,7 +26,7 @@ from collections import Counter
 
 import torch
 
-from leanbp.engine._attention_backends import MATH, CudaKernels
+from leanbp.engine import MATH, CudaKernels
 
 HALF = (torch.float16, torch.bfloat16)
 

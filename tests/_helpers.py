@@ -7,7 +7,11 @@ from pathlib import Path
 
 import torch
 
-from leanbp._verify_utils import relative_errors, streamed_vs_plain
+from leanbp.engine import IGNORE_INDEX
+from leanbp.testing import relative_errors, streamed_vs_plain
+
+
+REPO = Path(__file__).resolve().parents[1]  # the checkout: README, docs/, benchmarks/
 
 
 def make_batch(B=3, T=45, vocab=101, padding="left", prompt=13, seed=1):
@@ -24,8 +28,8 @@ def make_batch(B=3, T=45, vocab=101, padding="left", prompt=13, seed=1):
                 else:
                     mask[b, T - n_pad:] = 0
     labels = ids.clone()
-    labels[mask == 0] = -100
-    labels[:, :prompt] = -100
+    labels[mask == 0] = IGNORE_INDEX
+    labels[:, :prompt] = IGNORE_INDEX
     return ids, mask, labels
 
 

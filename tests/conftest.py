@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from leanbp._verify_utils import randomize_for_checks
+from leanbp.testing import randomize_for_checks
 from leanbp.models import supported_model_types
 from leanbp.models import tiny_config as leanbp_tiny_config
 

@@ -183,7 +183,8 @@ def test_sft_examples_without_completion_tokens_are_left_out(tmp_path, capsys):
 
 
 def test_a_step_without_labels_or_with_a_non_finite_loss_makes_no_update():
-    from leanbp._train import NonFiniteError, _skip_reason
+    from leanbp.train import NonFiniteError
+    from leanbp.train._loop import _skip_reason
 
     assert "no labelled token" in _skip_reason(0, n_items=0, loss=0.0, grad_norm=0.0, skip_nonfinite=False)
     assert _skip_reason(0, n_items=5, loss=1.0, grad_norm=2.0, skip_nonfinite=False) is None
@@ -262,3 +263,64 @@ def test_every_bench_suite_runs_its_cases_on_the_device_asked_for(tmp_path, monk
     lengths = {"stream": "64", "approx": "64", "trl": "sft=64"}[suite]
     assert main(["bench", "--suite", suite, "--device", "cuda", "--seq-lens", lengths, "--out", str(tmp_path)]) == 0
     assert specs and {s["device"] for s in specs} == {"cuda"}
+
+
+def test_every_stream_setting_reads_the_same_in_every_command():
+    """A StreamConfig setting offered by several commands has one default and one help text, built
+    from its field; the ones every command offers are the chunk sizes."""
+    import argparse
+    import dataclasses
+
+    from leanbp import StreamConfig
+    from leanbp.cli import parser
+
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    seen = {}  # option -> [(command, default, help)]
+    for command, p in sub.choices.items():
+        for action in p._actions:
+            for option in action.option_strings:
+                seen.setdefault(option, []).append((command, action.default, action.help))
+    fields = {f.name: f for f in dataclasses.fields(StreamConfig)}
+    for option in ("--chunk-size", "--head-chunk-size"):
+        assert [c for c, _, _ in seen[option]] == ["train", "bench", "plan", "verify"]
+    for option, uses in seen.items():
+        name = option.removeprefix("--").replace("-", "_")
+        if name not in fields:
+            continue
+        assert len({(default, text) for _, default, text in uses}) == 1, (option, uses)
+        field = fields[name]
+        assert uses[0][1] == field.default and uses[0][2].startswith(field.metadata["help"].replace("%", "%%")), option
+
+
+def test_old_call_forms_keep_working_and_say_so():
+    """Renamed names keep a deprecated alias: stream(model, rows) positionally, LEANBP_ATTENTION,
+    leanbp.engine.stream and leanbp.memory.Planner."""
+    import os
+
+    import leanbp
+    import leanbp.engine
+    import leanbp.memory
+    from leanbp.plan import Planner
+
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, attn_implementation="sdpa"))
+    ids = torch.randint(0, 64, (1, 9))
+    with pytest.warns(DeprecationWarning, match="positionally"):
+        leanbp.stream(model, 7)
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert leanbp.chunk_size_used(model) == 7
+    leanbp.unstream(model)
+    os.environ["LEANBP_ATTENTION"] = "mask"
+    try:
+        with pytest.warns(DeprecationWarning, match="LEANBP_ATTENTION"):
+            leanbp.stream(model)
+    finally:
+        del os.environ["LEANBP_ATTENTION"]
+    assert model._leanbp_stream.config.attention == "mask"
+    model(input_ids=ids, labels=ids).loss.backward()  # the masked single-call path runs
+    leanbp.unstream(model)
+    with pytest.warns(DeprecationWarning, match="leanbp.streaming.stream"):
+        assert leanbp.engine.stream is leanbp.stream
+    with pytest.warns(DeprecationWarning, match="leanbp.plan.Planner"):
+        assert leanbp.memory.Planner is Planner

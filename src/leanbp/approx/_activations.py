@@ -10,7 +10,7 @@ approximation: opt in, and say so wherever it is used.
 
 Three layers, as everywhere in leanbp: plain functions (``*_forward`` / ``*_backward``), a thin
 autograd Function, and an nn.Module with a functional alias. The plain functions are the CPU path
-and the oracle of the Triton kernels (``leanbp.kernels._approx_act``) used for CUDA tensors.
+and the oracle of the Triton kernels (``leanbp.kernels``) used for CUDA tensors.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import use_triton
+from .. import kernels
 
 
 @dataclass(frozen=True)
@@ -113,11 +113,9 @@ def approx_act_backward(kind: str, grad_out: torch.Tensor, packed: torch.Tensor)
 class _ApproxActFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, kind: str) -> torch.Tensor:
-        if use_triton(x):
-            from ..kernels import _approx_act
-
+        if kernels.use_triton(x):
             consts = REGELU2 if kind == "gelu" else RESILU2
-            y, packed = _approx_act.approx_act_forward(kind, x, thresholds(consts, x.dtype))
+            y, packed = kernels.approx_act_forward(kind, x, thresholds(consts, x.dtype))
         else:
             y, packed = approx_act_forward(kind, x)
         ctx.kind = kind
@@ -127,11 +125,9 @@ class _ApproxActFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         (packed,) = ctx.saved_tensors
-        if use_triton(grad_out):
-            from ..kernels import _approx_act
-
+        if kernels.use_triton(grad_out):
             consts = REGELU2 if ctx.kind == "gelu" else RESILU2
-            return _approx_act.approx_act_backward(grad_out, packed, consts), None
+            return kernels.approx_act_backward(grad_out, packed, consts), None
         return approx_act_backward(ctx.kind, grad_out.contiguous(), packed), None
 
 

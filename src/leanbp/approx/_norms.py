@@ -2,7 +2,7 @@
 
 The output y is what the following linear layer saves for its weight gradient anyway; if the norm
 saves *that very tensor* its own activation memory is one fp32 rstd per row. The affine (gamma,
-beta) is folded into the following linear layers (see ``_fold.py``). Under autocast the output is
+beta) is folded into the following linear layers (see ``_patch.py``). Under autocast the output is
 produced directly in the autocast dtype, because a cast in front of the linear would make the
 linear save a copy and silently lose the sharing.
 
@@ -10,7 +10,7 @@ LN:  y = (x - mean) * rstd,  dx = rstd * (g - mean(g) - y * mean(g * y))
 RMS: y = x * rstd,           dx = rstd * (g - y * mean(g * y))
 
 The plain functions are the CPU path and the oracle of the Triton kernels
-(``leanbp.kernels._ms_norm``) used for CUDA tensors.
+(``leanbp.kernels``) used for CUDA tensors.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels import use_triton
+from .. import kernels
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -53,10 +53,8 @@ def ms_norm_backward(grad_y: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, 
 class _MSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, eps: float, center: bool) -> torch.Tensor:
-        if use_triton(x):
-            from ..kernels import _ms_norm
-
-            y, rstd = _ms_norm.ms_norm_forward(x, eps, center, _output_dtype(x))
+        if kernels.use_triton(x):
+            y, rstd = kernels.ms_norm_forward(x, eps, center, _output_dtype(x))
         else:
             y, rstd = ms_norm_forward(x, eps, center)
         # Memory: the output (shared with the next linear) and one rstd per row, never x
@@ -67,10 +65,8 @@ class _MSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         y, rstd = ctx.saved_tensors
-        if use_triton(grad_y):
-            from ..kernels import _ms_norm
-
-            return _ms_norm.ms_norm_backward(grad_y, y, rstd, ctx.center, ctx.input_dtype), None, None
+        if kernels.use_triton(grad_y):
+            return kernels.ms_norm_backward(grad_y, y, rstd, ctx.center, ctx.input_dtype), None, None
         return ms_norm_backward(grad_y, y, rstd, ctx.center, ctx.input_dtype), None, None
 
 

@@ -174,6 +174,16 @@ def _fold_norm(state: _ApproxState, model: nn.Module, names, site: NormSite) -> 
 
 _ACTIVATIONS = {"silu": ReSiLU2, "swish": ReSiLU2, "gelu": ReGELU2}
 
+# what the command lines offer: exact, the 2-bit activations, the memory-sharing norms, or both
+VARIANTS = ("none", "act", "norm", "both")
+
+
+def variant_settings(variant: str) -> dict[str, bool]:
+    """The ``approx`` arguments of a variant name (``VARIANTS``)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"approx must be one of {VARIANTS}, got {variant!r}")
+    return {"activations": variant in ("act", "both"), "norms": variant in ("norm", "both")}
+
 
 def approx(model: nn.Module, activations: bool = True, norms: bool = True) -> nn.Module:
     """Opt in to Approx-BP (``activations``: ReSiLU2/ReGELU2 backward, *approximate gradients*)

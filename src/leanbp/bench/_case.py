@@ -13,56 +13,39 @@ import time
 
 import torch
 
+from .._dtypes import dtype_named
+from ..approx import approx, variant_settings
+from ..memory import track
+from ..streaming import StreamConfig, apply_method, chunk_size_used, is_streamed
+from ..train import build_model
+from ._models import bench_config
 from ._timing import synchronize
 
-# head: transformers' decoder + leanbp's chunked loss; leanbp_auto: leanbp with chunk_size="auto";
-# leanbp_offload: leanbp with the hidden states between layers in host memory (its host bytes are reported apart)
-METHODS = ("plain", "ckpt", "leanbp", "leanbp_auto", "leanbp_offload", "head")
-APPROX = ("none", "act", "norm", "both")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def build_case_model(spec: dict):
-    """The model of a case: bench shape, dtype, optional LoRA, optional approximation, method."""
-    import transformers
-
-    from .. import approx, stream
-    from ..engine import StreamConfig
-    from .._builtin import BENCH_LLAMA, bench_config, build_model
-
-    method, variant = spec["method"], spec.get("approx", "none")
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
-    if variant not in APPROX:
-        raise ValueError(f"unknown approx {variant!r}; choose from {APPROX}")
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "autocast": torch.float32}[spec.get("dtype", "fp32")]
+    """The model of a case: bench shape, dtype, optional LoRA, optional approximation, then the
+    method (``leanbp.streaming.METHODS``) with the case's ``StreamConfig``."""
+    dtype_name = spec.get("dtype", "fp32")
+    # "autocast": fp32 weights, bf16 compute (run_case enters autocast)
+    dtype = dtype_named("fp32" if dtype_name == "autocast" else dtype_name)
     T = spec["seq_len"]
-    if spec.get("model", "qwen3") == "llama":
-        config = transformers.LlamaConfig(**BENCH_LLAMA, max_position_embeddings=max(T, 2048),
-                                          attn_implementation="sdpa")
-    else:
-        config = bench_config(spec.get("model", "qwen3"), max_positions=max(T, 2048))
+    config = bench_config(spec.get("model", "qwen3"), max_positions=max(T, 2048))
     model = build_model(config, dtype=dtype).to(spec.get("device", "cpu")).train()
-    if method == "ckpt":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     top = model
     if spec.get("lora"):
         import peft
 
         top = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS))
+    variant = spec.get("approx", "none")
     if variant != "none":
-        approx(model, activations=variant in ("act", "both"), norms=variant in ("norm", "both"))
-    if method in ("leanbp", "leanbp_auto", "leanbp_offload", "head"):
-        stream(model, chunk_size="auto" if method == "leanbp_auto" else spec.get("chunk_size", StreamConfig.chunk_size),
-               head_chunk_size=spec.get("head_chunk_size", StreamConfig.head_chunk_size),
-               layers=method != "head", offload=method == "leanbp_offload")
+        approx(model, **variant_settings(variant))
+    apply_method(model, spec["method"], StreamConfig(**spec.get("stream", {})))
     return top, model.config
 
 
 def run_case(spec: dict) -> dict:
-    from .. import memory
-    from ..engine import chunk_size_used, is_streamed
-
     device = torch.device(spec.get("device", "cpu"))
     T, B = spec["seq_len"], spec.get("batch", 1)
     model, config = build_case_model(spec)
@@ -84,7 +67,7 @@ def run_case(spec: dict) -> dict:
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
     # step 1: memory (also warms up kernels and the allocator)
-    with memory.track(model, device=device) as mem:
+    with track(model, device=device) as mem:
         loss = step()
     model.zero_grad(set_to_none=False)
     # then time, with nothing watching: the median of `timed_steps` steps

@@ -12,11 +12,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .._builtin import BENCH_MODELS
-from ._case import METHODS
-from ..engine import StreamConfig
+from ..approx import VARIANTS
+from ..memory import MiB
+from ..streaming import METHODS, StreamConfig
+from ._machine import machine
+from ._models import BENCH_MODELS
+from ._trl_case import TRL_METHODS, TRL_OBJECTIVES
 
-MiB = 2**20
+# fp32 or bf16 weights and compute, or mixed precision ("autocast": fp32 weights, bf16 compute)
+BENCH_DTYPES = ("fp32", "bf16", "autocast")
 
 
 def _check_list(name: str, values, allowed: tuple = ()) -> None:
@@ -41,51 +45,20 @@ def _check_positive(case, *names: str) -> None:
 class BenchCase:
     seq_lens: list[int] = field(default_factory=lambda: [2048, 4096, 8192, 16384])
     methods: list[str] = field(default_factory=lambda: ["plain", "ckpt", "leanbp"])
-    model: str = "qwen3"  # the bench shape as qwen3, gemma3 or qwen3_moe (_builtin.bench_config)
+    model: str = "qwen3"  # the bench shape as qwen3, gemma3 or qwen3_moe (``_models.bench_config``)
     batch: int = 1
     dtype: str = "fp32"
     device: str = "cpu"
-    chunk_size: int | str = StreamConfig.chunk_size
-    head_chunk_size: int = StreamConfig.head_chunk_size
+    stream: StreamConfig = field(default_factory=StreamConfig)  # the streamed methods' settings
     timed_steps: int = 3  # step time: the median of this many steps after the measured one
     timeout_s: int = 3600
 
     def __post_init__(self):
         _check_list("seq_lens", self.seq_lens)
-        _check_list("methods", self.methods, METHODS)
+        _check_list("methods", self.methods, tuple(METHODS))
         _check_list("model", [self.model], BENCH_MODELS)
-        _check_positive(self, "batch", "head_chunk_size", "timed_steps", *([] if self.chunk_size == "auto" else
-                                                                             ["chunk_size"]))
-
-
-def machine() -> dict:
-    """What the timings ran on: CPU model, the vector extensions that change fp32/bf16 speed,
-    cores, torch, and the GPU if one is visible."""
-    import platform
-
-    import torch
-
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and name in ("", platform.machine(), platform.processor()):
-                name = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
-    info = {"cpu": name, "cpu_flags": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags],
-            "cores": os.cpu_count(), "torch": torch.__version__}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
-
-
-def describe_machine(info: dict) -> str:
-    flags = ", ".join(info["cpu_flags"]) or "no avx2/avx512"
-    gpu = f"; GPU {info['gpu']}" if "gpu" in info else ""
-    return f"{info['cpu']} ({flags}), {info['cores']} cores, torch {info['torch']}{gpu}"
+        _check_list("dtype", [self.dtype], BENCH_DTYPES)
+        _check_positive(self, "batch", "timed_steps")
 
 
 def _run_one(spec: dict, timeout_s: int) -> dict:
@@ -111,7 +84,7 @@ def run_bench(case: BenchCase, out_dir: str | Path, progress: bool = True) -> li
     # the heaviest case), which moved single timings by +-5% on a shared machine
     specs = [
         {"method": m, "seq_len": T, "model": case.model, "batch": case.batch, "dtype": case.dtype, "device": case.device,
-         "chunk_size": case.chunk_size, "head_chunk_size": case.head_chunk_size, "timed_steps": case.timed_steps}
+         "stream": asdict(case.stream), "timed_steps": case.timed_steps}
         for i, T in enumerate(case.seq_lens) for m in (case.methods if i % 2 == 0 else case.methods[::-1])
     ]
     rows = []
@@ -138,18 +111,21 @@ class ApproxBenchCase:
     setup; step time is the median of ``timed_steps`` steps."""
 
     seq_lens: list[int] = field(default_factory=lambda: [512, 1024, 2048])
-    variants: list[str] = field(default_factory=lambda: ["none", "act", "norm", "both"])
+    variants: list[str] = field(default_factory=lambda: list(VARIANTS))
     lora: list[bool] = field(default_factory=lambda: [False, True])
     batch: int = 4
     method: str = "head"
     dtype: str = "autocast"
+    stream: StreamConfig = field(default_factory=StreamConfig)  # the streamed methods' settings
     timed_steps: int = 3
     device: str = "cpu"
     timeout_s: int = 3600
 
     def __post_init__(self):
         _check_list("seq_lens", self.seq_lens)
-        _check_list("variants", self.variants, ("none", "act", "norm", "both"))
+        _check_list("variants", self.variants, VARIANTS)
+        _check_list("method", [self.method], tuple(METHODS))
+        _check_list("dtype", [self.dtype], BENCH_DTYPES)
         _check_positive(self, "batch", "timed_steps")
 
 
@@ -157,7 +133,8 @@ def run_approx_bench(case: ApproxBenchCase, out_dir: str | Path, progress: bool 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     specs = [{"model": "llama", "method": case.method, "approx": v, "lora": lora, "seq_len": T, "batch": case.batch,
-              "dtype": case.dtype, "timed_steps": case.timed_steps, "device": case.device}
+              "dtype": case.dtype, "stream": asdict(case.stream), "timed_steps": case.timed_steps,
+              "device": case.device}
              for lora in case.lora for T in case.seq_lens for v in case.variants]
     rows = []
     bar = tqdm(specs, desc="bench approx", disable=not progress, unit="case")
@@ -187,19 +164,18 @@ class TrlBenchCase:
 
     seq_lens: dict[str, list[int]] = field(default_factory=lambda: {"sft": [4096, 16384], "dpo": [2048, 8192],
                                                                     "grpo": [2048, 8192]})
-    methods: list[str] = field(default_factory=lambda: ["ckpt", "ckpt_head", "leanbp"])
+    methods: list[str] = field(default_factory=lambda: list(TRL_METHODS))
     timed_steps: int = 3
-    chunk_size: int | str = StreamConfig.chunk_size
-    head_chunk_size: int = StreamConfig.head_chunk_size
+    stream: StreamConfig = field(default_factory=StreamConfig)  # leanbp's settings (its head's, for ckpt_head)
     device: str = "cpu"  # cpu, or cuda: the trainers' accelerator places the model
     timeout_s: int = 7200
 
     def __post_init__(self):
-        _check_list("objectives", list(self.seq_lens), ("sft", "dpo", "grpo"))
+        _check_list("objectives", list(self.seq_lens), TRL_OBJECTIVES)
         for objective, lengths in self.seq_lens.items():
             _check_list(f"seq_lens[{objective}]", lengths)
-        _check_list("methods", self.methods, ("ckpt", "ckpt_head", "leanbp"))
-        _check_positive(self, "timed_steps", "head_chunk_size", *([] if self.chunk_size == "auto" else ["chunk_size"]))
+        _check_list("methods", self.methods, tuple(TRL_METHODS))
+        _check_positive(self, "timed_steps")
 
 
 def run_trl_bench(case: TrlBenchCase, out_dir: str | Path, progress: bool = True) -> list[dict]:
@@ -210,8 +186,8 @@ def run_trl_bench(case: TrlBenchCase, out_dir: str | Path, progress: bool = True
         for i, T in enumerate(lengths):
             order = case.methods if i % 2 == 0 else case.methods[::-1]  # no method always runs first
             specs += [{"suite": "trl", "objective": objective, "method": m, "seq_len": T,
-                       "timed_steps": case.timed_steps, "chunk_size": case.chunk_size,
-                       "head_chunk_size": case.head_chunk_size, "device": case.device} for m in order]
+                       "timed_steps": case.timed_steps, "stream": asdict(case.stream), "device": case.device}
+                      for m in order]
     rows = []
     bar = tqdm(specs, desc="bench trl", disable=not progress, unit="case")
     for spec in bar:
@@ -241,15 +217,12 @@ def _write_trl(case: TrlBenchCase, rows: list[dict], out_dir: Path) -> list[dict
     return rows
 
 
-TRL_LABELS = {"sft": "SFT (packed)", "dpo": "DPO (2 pairs)", "grpo": "GRPO (group of 4)"}
-TRL_METHODS = {"ckpt": "TRL + checkpointing", "ckpt_head": "TRL + checkpointing + leanbp head",
-               "leanbp": "TRL + leanbp"}
 
 
 def format_trl_table(rows: list[dict]) -> str:
     return markdown_table(
         ["trainer", "T", "tokens / step", "method", "activation MiB", "step s", "act / ckpt", "time / ckpt"], rows,
-        key=lambda r: [TRL_LABELS[r["objective"]], r["seq_len"], r.get("tokens", ""), TRL_METHODS[r["method"]]],
+        key=lambda r: [TRL_OBJECTIVES[r["objective"]], r["seq_len"], r.get("tokens", ""), TRL_METHODS[r["method"]]],
         values=lambda r: [f"{r['activations'] / MiB:.1f}", f"{r['step_s']:.1f}", _ratio(r.get("act_vs_ckpt", "")),
                           _ratio(r.get("time_vs_ckpt", ""))])
 
@@ -271,7 +244,7 @@ def plot_trl(rows: list[dict], path: Path) -> None:
             T = [r["seq_len"] for r in ok]
             axes[0][col].plot(T, [r["activations"] / MiB for r in ok], style, label=TRL_METHODS[method])
             axes[1][col].plot(T, [r["step_s"] for r in ok], style, label=TRL_METHODS[method])
-        axes[0][col].set_title(TRL_LABELS[objective], fontsize=10)
+        axes[0][col].set_title(TRL_OBJECTIVES[objective], fontsize=10)
         axes[0][col].set_ylabel("activation MiB (peak - params - grads)")
         axes[1][col].set_ylabel("backprop step s (median)")
         for ax in (axes[0][col], axes[1][col]):
@@ -297,7 +270,7 @@ def format_approx_table(rows: list[dict]) -> str:
 
 
 def markdown_table(header: list[str], rows: list[dict], key, values) -> str:
-    """A Markdown table (it goes into the README as is): ``key(row)`` cells, then ``values(row)``
+    """A Markdown table (it goes into the docs as is): ``key(row)`` cells, then ``values(row)``
     cells, or the row's error in their place."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:

@@ -18,14 +18,18 @@ import time
 
 import torch
 
-from .. import memory
+from ..integrations.trl import stream_trainer
+from ..memory import track
+from ..streaming import StreamConfig, stream
+from ..train import build_model, byte_tokenizer, qwen3_config, verses
+from ._models import BENCH_QWEN3
 from ._timing import synchronize
-from .._builtin import BENCH_QWEN3, build_model, qwen3_config
-from .._data import verses
-from .._tokenizer import byte_tokenizer
 
-OBJECTIVES = ("sft", "dpo", "grpo")
-METHODS = ("ckpt", "ckpt_head", "leanbp")
+# the trainers measured, and their labels in the tables
+TRL_OBJECTIVES = {"sft": "SFT (packed)", "dpo": "DPO (2 pairs)", "grpo": "GRPO (group of 4)"}
+# the setups each trainer runs with, and their labels
+TRL_METHODS = {"ckpt": "TRL + checkpointing", "ckpt_head": "TRL + checkpointing + leanbp head",
+               "leanbp": "TRL + leanbp"}
 COMPLETION_LEN = 16  # GRPO: tokens generated per completion
 DOCUMENTS = 8  # SFT: documents packed into the one row
 
@@ -61,8 +65,6 @@ def _reward(completions, **kwargs):
 def _trainer(spec: dict, model):
     import trl
 
-    from ..integrations.trl import stream_trainer
-
     objective, T, method = spec["objective"], spec["seq_len"], spec["method"]
     steps = 1 + spec.get("timed_steps", 3)
     common = dict(output_dir="/tmp/leanbp-bench-trl", max_steps=steps, learning_rate=1e-5, report_to=[],
@@ -87,15 +89,13 @@ def _trainer(spec: dict, model):
         extra["reward_funcs"] = _reward
     trainer = cls(model=model, args=args, train_dataset=_dataset(objective, T), processing_class=byte_tokenizer(),
                   **extra)
-    head_chunk_size = spec.get("head_chunk_size", 256)
+    config = StreamConfig(**spec.get("stream", {}))
     if method == "leanbp":
-        stream_trainer(trainer, chunk_size=spec.get("chunk_size", 1024), head_chunk_size=head_chunk_size)
+        stream_trainer(trainer, config)
     elif method == "ckpt_head":  # the trainer's checkpointed decoder, leanbp's head
-        from .. import stream
-
         for m in (trainer.model, getattr(trainer, "ref_model", None)):
             if m is not None:
-                stream(m, layers=False, head_chunk_size=head_chunk_size)
+                stream(m, config, layers=False)
     return trainer
 
 
@@ -128,7 +128,7 @@ class _StepProbe:
         self.tokens.append(sum(int(inputs[k].numel()) for k in ("input_ids", "prompt_ids", "completion_ids")
                                if torch.is_tensor(inputs.get(k))))
         if self.report is None:
-            self._tracker = memory.track(self.trainer.model)
+            self._tracker = track(self.trainer.model)
             self._tracker.__enter__()
         self._device = next(self.trainer.model.parameters()).device  # (placed by the trainer by now)
         synchronize(self._device)  # (a GPU: only this step's work is timed)
@@ -145,10 +145,10 @@ class _StepProbe:
 
 
 def run_trl_case(spec: dict) -> dict:
-    if spec["objective"] not in OBJECTIVES:
-        raise ValueError(f"unknown objective {spec['objective']!r}; choose from {OBJECTIVES}")
-    if spec["method"] not in METHODS:
-        raise ValueError(f"the trl suite compares {METHODS}, got {spec['method']!r}")
+    if spec["objective"] not in TRL_OBJECTIVES:
+        raise ValueError(f"unknown objective {spec['objective']!r}; choose from {list(TRL_OBJECTIVES)}")
+    if spec["method"] not in TRL_METHODS:
+        raise ValueError(f"the trl suite compares {list(TRL_METHODS)}, got {spec['method']!r}")
     T = spec["seq_len"]
     model = build_model(qwen3_config(BENCH_QWEN3, max_positions=max(T + COMPLETION_LEN, 2048),
                                      pad_token_id=0, eos_token_id=4, bos_token_id=None)).train()

@@ -1,7 +1,7 @@
 """What the distributed engines need from a streamed model, in one place.
 
 The streamed decoder runs each decoder layer, the chunked final norm and the chunked LM head as
-the body of one call of the module (``engine._calls.call_through``), and each of their autograd
+the body of one call of the module (the engine's ``_module_call.py``), and each of their autograd
 Functions takes the parameters as explicit inputs and returns each one's gradient once, summed
 over chunks. What an engine hooks on a module call or on a gradient therefore fires once per
 module per step, as in plain training, whatever the number of chunks:

@@ -1,5 +1,58 @@
-"""The exact chunked backward: streamed decoder layers and the chunked LM head + loss."""
+"""The algorithm: exact StreamBP for decoder layers, the chunked final norm and the chunked LM head.
 
-from ._stream import StreamConfig, StreamWarning, chunk_size_used, is_streamed, stream, token_log_probs, unstream
+What it needs from a model family is the ``DecoderFamily`` protocol (``_adapter.py``), which
+``leanbp.models`` implements; the public switch that installs it on a model is ``leanbp.streaming``.
 
-__all__ = ["StreamConfig", "StreamWarning", "chunk_size_used", "is_streamed", "stream", "token_log_probs", "unstream"]
+    _decoder.py      the streamed decoder: embeddings, then each layer as one autograd Function
+    _layer.py        one decoder layer that keeps only its input (forward and chunked backward)
+    _masks.py        which keys each row of a chunk sees (causal, window, padding, documents)
+    _attention.py    chunk attention from fused (out, lse) kernels (``_attention_backends.py``),
+                     soft-capped attention block by block (``_softcap_attention.py``)
+    _head.py         final norm + LM head + loss (or per-token log-probs) over labelled rows, chunked
+    _chunking.py     chunk_size="auto"
+    _offload.py      the layer boundaries and their gradients in host memory
+    _moe.py          the exact load-balancing loss of mixture-of-experts layers
+    _grads.py        gradients summed over chunks, handed over once
+    _module_call.py  a block of chunks run as the body of one call of its module (engine hooks)
+    _value_reads.py  the few decisions taken from tensor values (and a planned step's assumptions)
+"""
+
+from ._adapter import DecoderFamily, LayerChunk, RotaryRows, Router
+from ._attention import chunk_attention, forced_backend, uses_two_block_attention
+from ._attention_backends import CPU_FLASH, CUDA_KERNELS, MATH, CudaKernels, backend_for
+from ._chunking import AUTO, DEFAULT_ROWS, pick_chunk_rows, row_bytes
+from ._decoder import DecoderOutput, check_attention_mask, decoder_layers, rowwise, trainable
+from ._grads import AutocastState
+from ._layer import LayerCall, StreamedLayerFunction
+from ._head import (IGNORE_INDEX, STATS, ChunkedCrossEntropyFunction, ChunkedTokenStatsFunction, HeadCall,
+                    LogitTransform, cross_entropy, shift_labels, token_stats)
+from ._masks import ATTENTION_MODES, ChunkMasks, Documents, KeyKeep, PrefixGradSink, key_start
+from ._module_call import is_routed, unroute
+from ._softcap_attention import BLOCK_ROWS as SOFTCAP_BLOCK_ROWS
+from ._value_reads import has_values
+
+__all__ = [
+    "ATTENTION_MODES", "AUTO", "AutocastState", "CPU_FLASH", "CUDA_KERNELS", "ChunkMasks",
+    "ChunkedCrossEntropyFunction", "ChunkedTokenStatsFunction", "CudaKernels", "DEFAULT_ROWS", "DecoderFamily",
+    "DecoderOutput", "Documents", "HeadCall", "IGNORE_INDEX", "KeyKeep", "LayerCall", "LayerChunk", "LogitTransform",
+    "MATH", "PrefixGradSink", "RotaryRows", "Router", "SOFTCAP_BLOCK_ROWS", "STATS", "StreamedLayerFunction",
+    "backend_for", "check_attention_mask", "chunk_attention", "cross_entropy", "decoder_layers", "forced_backend",
+    "has_values", "is_routed", "key_start", "pick_chunk_rows", "row_bytes", "rowwise", "shift_labels", "token_stats",
+    "trainable", "unroute", "uses_two_block_attention",
+]
+
+_MOVED_TO_STREAMING = ("StreamConfig", "StreamWarning", "chunk_size_used", "is_streamed", "stream", "token_log_probs",
+                       "unstream")
+
+
+def __getattr__(name: str):
+    """Deprecated: the public switch moved to ``leanbp.streaming`` (``leanbp.stream`` is unchanged)."""
+    if name in _MOVED_TO_STREAMING:
+        import warnings
+
+        from .. import streaming
+
+        warnings.warn(f"leanbp.engine.{name} moved to leanbp.streaming.{name} (or leanbp.{name})", DeprecationWarning,
+                      stacklevel=2)
+        return getattr(streaming, name)
+    raise AttributeError(f"module 'leanbp.engine' has no attribute {name!r}")

@@ -10,9 +10,9 @@ larger matmuls and fewer calls, so "auto" takes the largest chunk whose working 
 
 The budget is ``chunk_memory`` when given; by default it is the size of one layer input
 (B x T x H), a fraction of the activations leanbp keeps anyway, but never less than the working
-set of the fixed default chunk (1024 rows): so without ``chunk_memory`` "auto" picks at least
-min(1024, T) rows, and more only for sequences long enough that one layer input holds more, and
-the activation memory stays linear in T.
+set of the fixed default chunk (``DEFAULT_ROWS``, 1024 rows, also ``StreamConfig``'s default): so
+without ``chunk_memory`` "auto" picks at least min(1024, T) rows, and more only for sequences long
+enough that one layer input holds more, and the activation memory stays linear in T.
 
 The bytes per row are the family adapter's upper bound (``FamilyAdapter.row_working_set``),
 counted at least at 4 bytes per element (norms, softmax and accumulations upcast to fp32). Off the
@@ -25,29 +25,31 @@ from __future__ import annotations
 
 import torch
 
+from ._adapter import DecoderFamily
 from ._attention import uses_two_block_attention
 
 AUTO = "auto"
 ROW_ALIGN = 64  # rows: matmul-friendly multiples
-DEFAULT_ROWS = 1024  # the fixed default, the least "auto" picks unless given a budget
+DEFAULT_ROWS = 1024  # the fixed default chunk size, and the least "auto" picks unless given a budget
 
 
-def row_bytes(adapter, hidden: torch.Tensor) -> int:
+def row_bytes(adapter: DecoderFamily, hidden: torch.Tensor, attention: str = "blocks") -> int:
     """Upper bound of the bytes one row of one batch element of a chunk keeps alive in backward."""
     B, T, H = hidden.shape
     elements = adapter.row_working_set()
-    if not uses_two_block_attention(hidden.device):  # scores and probabilities against every key
+    if not uses_two_block_attention(hidden.device, attention):  # scores and probabilities against every key
         elements += 2 * adapter.config.num_attention_heads * T
     return elements * max(4, hidden.element_size())
 
 
-def pick_chunk_rows(chunk_size, chunk_memory: int | None, adapter, hidden: torch.Tensor) -> int:
+def pick_chunk_rows(chunk_size: int | str, chunk_memory: int | None, adapter: DecoderFamily, hidden: torch.Tensor,
+                    attention: str = "blocks") -> int:
     """The rows per chunk of a streamed forward over ``hidden`` (B, T, H): ``chunk_size`` (at most
     T), or the rows "auto" picks from the budget."""
     B, T, H = hidden.shape
     if chunk_size != AUTO:
         return max(1, min(chunk_size, T))
-    per_row = B * row_bytes(adapter, hidden)
+    per_row = B * row_bytes(adapter, hidden, attention)
     budget = chunk_memory
     if budget is None:
         budget = max(B * T * H * hidden.element_size(), DEFAULT_ROWS * per_row)

@@ -9,17 +9,20 @@ apply it with ``RowwiseFunction`` (which keeps only its input).
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from ..distributed import check_layers
 from ..memory import in_phase
-from ._attention import Documents, KeyKeep
+from ._adapter import DecoderFamily
 from ._attention_backends import SdpaSwitches
-from ._calls import call_through
+from ._chunking import pick_chunk_rows
 from ._grads import AutocastState, GradSum
-from ._layer import LayerRun, StreamedLayerFunction
+from ._layer import LayerCall, StreamedLayerFunction
+from ._masks import Documents, KeyKeep
+from ._module_call import call_through
 from ._moe import RouterStats
 from ._offload import HostStore, to_device, to_host
 
@@ -39,12 +42,23 @@ def check_attention_mask(attention_mask, batch: int, length: int) -> None:
         )
 
 
-def decoder_layers(adapter, chunk_rows_for, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None,
-                   router_stats: bool = False, offload: bool = False):
-    """(B, T, H) output of the last decoder layer (before the final norm), streamed, and the
-    ``RouterStats`` of its mixture-of-experts layers when ``router_stats`` (else None).
-    ``chunk_rows_for(hidden)`` gives the rows per chunk for the embedded input (B, T, H);
-    ``offload`` keeps the layer boundaries and their gradients in host memory (``_offload.py``).
+class DecoderOutput(NamedTuple):
+    """What a streamed decoder call computed, and what it chose."""
+
+    hidden: torch.Tensor  # (B, T, H): the last layer's output, before the final norm
+    router_stats: RouterStats | None  # of the mixture-of-experts layers, when asked for
+    chunk_rows: int  # the rows per chunk the layers ran with (what "auto" chose)
+
+
+def decoder_layers(adapter: DecoderFamily, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None,
+                   *, chunk_size: int | str, chunk_memory: int | None = None, attention: str = "blocks",
+                   offload: bool = False, router_stats: bool = False) -> DecoderOutput:
+    """Every decoder layer of ``adapter``'s model, streamed, on the embedded input.
+
+    ``chunk_size`` rows per chunk, or "auto" within ``chunk_memory`` bytes (``_chunking.py``);
+    ``attention``: how chunk attention applies its masks (``_masks.ATTENTION_MODES``); ``offload``
+    keeps the layer boundaries and their gradients in host memory (``_offload.py``);
+    ``router_stats`` gathers the statistics of the load-balancing loss (``_moe.py``).
 
     Packed rows: with ``position_ids`` that restart inside a row and no ``attention_mask``, every
     document attends only to itself (transformers' rule); with an attention mask the position ids
@@ -73,7 +87,7 @@ def decoder_layers(adapter, chunk_rows_for, input_ids=None, inputs_embeds=None, 
     stats = RouterStats(None if key_keep is None else key_keep.mask, B, T) if router_stats else None
     autocast = AutocastState(hidden.device.type)
     sdpa = SdpaSwitches()  # (replayed around the layers' recompute, as autocast is)
-    rows = chunk_rows_for(hidden)
+    rows = pick_chunk_rows(chunk_size, chunk_memory, adapter, hidden, attention)
     check_layers(adapter.layers())
     # (without a graph nothing is kept for backward: nothing to offload)
     store = HostStore(hidden.device) if offload and torch.is_grad_enabled() else None
@@ -81,23 +95,24 @@ def decoder_layers(adapter, chunk_rows_for, input_ids=None, inputs_embeds=None, 
         hidden = to_host(hidden, store)
     for i, layer in enumerate(adapter.layers()):
         router = adapter.router(layer) if stats is not None else None
-        run = LayerRun(adapter=adapter, layer=layer, window=adapter.sliding_window(i),
-                       softcap=adapter.attention_softcap(i), rope=rope[i], key_keep=key_keep,
-                       documents=documents, chunk_size=rows, autocast=autocast, router=router,
-                       router_stats=stats if router is not None else None, offload=store, sdpa=sdpa)
+        call = LayerCall(adapter=adapter, layer=layer, window=adapter.sliding_window(i),
+                         softcap=adapter.attention_softcap(i), rope=rope[i], key_keep=key_keep,
+                         documents=documents, chunk_size=rows, autocast=autocast, router=router,
+                         router_stats=stats if router is not None else None, offload=store, sdpa=sdpa,
+                         attention=attention)
         # the layer's own call runs the streamed layer, so engine hooks fire once per layer per step
-        hidden = call_through(layer, partial(_streamed_layer, layer, run), hidden)
+        hidden = call_through(layer, partial(_streamed_layer, layer, call), hidden)
     if store is not None:  # the final norm and the head take the last layer's output whole
         hidden = to_device(hidden, store)
-    return hidden, stats
+    return DecoderOutput(hidden, stats, rows)
 
 
-def _streamed_layer(layer: nn.Module, run: LayerRun, hidden: torch.Tensor) -> torch.Tensor:
-    out = StreamedLayerFunction.apply(hidden, run, *trainable(layer))
-    if run.router_stats is None:
+def _streamed_layer(layer: nn.Module, call: LayerCall, hidden: torch.Tensor) -> torch.Tensor:
+    out = StreamedLayerFunction.apply(hidden, call, *trainable(layer))
+    if call.router_stats is None:
         return out
     out, prob_sum = out
-    run.router_stats.prob_sums.append(prob_sum)
+    call.router_stats.prob_sums.append(prob_sum)
     return out
 
 

@@ -1,4 +1,10 @@
-"""Summing per-chunk gradients before autograd sees them (DESIGN principle 3)."""
+"""Summing per-chunk gradients before autograd sees them.
+
+Every streamed Function (a layer, the chunked final norm, the chunked head) computes its
+parameters' gradients chunk by chunk and returns each one once, summed: autograd, and the hooks of
+DDP, FSDP2 and ZeRO on it, then see one gradient per parameter per backward, as in plain training,
+whatever the number of chunks (see ``leanbp.distributed``).
+"""
 
 from __future__ import annotations
 

@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..memory import in_phase
-from ._calls import call_through
 from ._grads import AutocastState, GradSum, accumulation_dtype
-from ._values import labelled_rows
+from ._module_call import call_through
+from ._value_reads import labelled_rows
 
 IGNORE_INDEX = -100
 STATS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -75,7 +75,7 @@ class LogitTransform:
 
 
 @dataclass
-class HeadRun:
+class HeadCall:
     """Everything a chunked head call needs besides its input and parameters."""
 
     norm: nn.Module
@@ -110,12 +110,12 @@ class _Chunk:
     ``inputs`` are the tensors whose gradients are wanted (the rows themselves first, when they
     need one, then the trainable parameters of the norm and the head)."""
 
-    def __init__(self, run: HeadRun, rows: torch.Tensor, inputs: list[torch.Tensor], graph: bool):
-        self.run, self.rows, self.inputs = run, rows, inputs
-        head = run.lm_head
-        with torch.set_grad_enabled(graph), run.autocast():
-            self.normed = run.norm(rows)  # (n, H), graph kept for its backward
-            if run.fused:
+    def __init__(self, call: HeadCall, rows: torch.Tensor, inputs: list[torch.Tensor], graph: bool):
+        self.call, self.rows, self.inputs = call, rows, inputs
+        head = call.lm_head
+        with torch.set_grad_enabled(graph), call.autocast():
+            self.normed = call.norm(rows)  # (n, H), graph kept for its backward
+            if call.fused:
                 with torch.no_grad():
                     self.logits = self._project(head.weight, head.bias)  # (n, V)
             else:
@@ -124,15 +124,15 @@ class _Chunk:
                 self.logits = head.forward(self.normed)  # (n, V)
         # Memory: no copy unless the logits are bf16/fp16 (the transform and softmax work in place)
         acc = self.logits.to(torch.promote_types(self.logits.dtype, torch.float32))
-        if run.fused:
+        if call.fused:
             del self.logits  # only z is needed from here on
         elif acc is self.logits:
             acc = acc.clone()  # the wrapped head's graph output must stay intact for its backward
-        self.z = run.transform.apply_(acc)
+        self.z = call.transform.apply_(acc)
 
     def _project(self, weight, bias):
-        run = self.run
-        if run.fp32_head:
+        call = self.call
+        if call.fp32_head:
             with torch.autocast(self.normed.device.type, enabled=False):
                 return F.linear(self.normed.float(), weight.float(), None if bias is None else bias.float())
         return F.linear(self.normed, weight, bias)
@@ -140,14 +140,14 @@ class _Chunk:
     def backprop(self, dz: torch.Tensor, z_kept: torch.Tensor | None, head_grads: dict) -> list:
         """dz (n, V), dL/dz in the accumulation dtype (may be the z buffer itself) -> the gradients
         of ``inputs`` (the head's own, on the fused path, go into ``head_grads`` in place)."""
-        run, inputs = self.run, self.inputs
-        dlogits = run.transform.chain_(dz, z_kept)
-        if not run.fused:
+        call, inputs = self.call, self.inputs
+        dlogits = call.transform.chain_(dz, z_kept)
+        if not call.fused:
             return list(torch.autograd.grad(self.logits, inputs, dlogits.to(self.logits.dtype), allow_unused=True))
-        weight, bias = run.lm_head.weight, run.lm_head.bias
+        weight, bias = call.lm_head.weight, call.lm_head.bias
         # the backward matmuls run in the weight's dtype (fp32 under TRL's fp32 head): under autocast
         # (fp32 weight, bf16 logits) that avoids a bf16 copy of the (V, H) weight per chunk
-        grad_dtype = torch.float32 if run.fp32_head else weight.dtype
+        grad_dtype = torch.float32 if call.fp32_head else weight.dtype
         dlogits = dlogits.to(grad_dtype)
         x = self.normed.detach().to(grad_dtype)
         if "weight" in head_grads:
@@ -169,19 +169,19 @@ class _Chunk:
 class _Rows:
     """The labelled rows of a (B, T, H) input and the bookkeeping both Functions share."""
 
-    def __init__(self, ctx, hidden: torch.Tensor, run: HeadRun, params, first_param: int):
+    def __init__(self, ctx, hidden: torch.Tensor, call: HeadCall, params, first_param: int):
         B, T, H = hidden.shape
         self.shape = hidden.shape
         self.flat = hidden.reshape(B * T, H)
-        self.targets = run.targets.reshape(B * T)
-        self.index = run.labelled_rows()
+        self.targets = call.targets.reshape(B * T)
+        self.index = call.labelled_rows()
         self.need_input = ctx.needs_input_grad[0]
         self.trainable = [p for p, need in zip(params, ctx.needs_input_grad[first_param:]) if need]
-        self.run = run
+        self.call = call
 
     def chunks(self):
-        for s in range(0, self.index.numel(), self.run.chunk_size):
-            yield self.index[s: s + self.run.chunk_size]
+        for s in range(0, self.index.numel(), self.call.chunk_size):
+            yield self.index[s: s + self.call.chunk_size]
 
     def read(self, idx: torch.Tensor, want_grad: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         rows = self.flat.index_select(0, idx).detach().requires_grad_(want_grad and self.need_input)
@@ -189,7 +189,7 @@ class _Rows:
 
     def grad_buffer(self) -> torch.Tensor:
         """The (B*T, H) input gradient: unlabelled rows get zero."""
-        if self.run.input_is_scratch:
+        if self.call.input_is_scratch:
             # Memory: dL/dhidden goes into the input's own buffer. Each labelled row is read (copied
             # out) before its gradient is written back; unlabelled rows are never read.
             return self.flat.masked_fill_((self.targets == IGNORE_INDEX)[:, None], 0)
@@ -197,14 +197,14 @@ class _Rows:
 
     def head_grad_sums(self) -> dict[str, torch.Tensor]:
         """Running sums of a fused head's own gradients, added to in place chunk by chunk."""
-        weight, bias = self.run.head_params()
+        weight, bias = self.call.head_params()
         return {name: torch.zeros_like(t, dtype=accumulation_dtype(t.dtype))
                 for name, t in (("weight", weight), ("bias", bias))
                 if t is not None and any(t is p for p in self.trainable)}
 
     def finish(self, grads: GradSum, head_grads: dict) -> None:
         if head_grads:
-            weight, bias = self.run.head_params()
+            weight, bias = self.call.head_params()
             grads.add([head_grads.get("weight") if p is weight else head_grads.get("bias") if p is bias else None
                        for p in self.trainable], owned=True)
 
@@ -229,31 +229,31 @@ def _param_grads(ctx, grads: list, first_param: int) -> tuple:
 
 
 class ChunkedCrossEntropyFunction(torch.autograd.Function):
-    """hidden (B, T, H), run, *params -> the summed cross-entropy of the labelled rows divided by
+    """hidden (B, T, H), call, *params -> the summed cross-entropy of the labelled rows divided by
     ``denominator`` (a scalar)."""
 
     @staticmethod
     @in_phase("head")
-    def forward(ctx, hidden: torch.Tensor, run: HeadRun, denominator, grad_enabled: bool, *params):
-        r = _Rows(ctx, hidden, run, params, first_param=4)
+    def forward(ctx, hidden: torch.Tensor, call: HeadCall, denominator, grad_enabled: bool, *params):
+        r = _Rows(ctx, hidden, call, params, first_param=4)
         want_grad = grad_enabled and (r.need_input or bool(r.trainable))
         n_rows = r.index.numel()
         if n_rows and not (torch.is_tensor(denominator) or denominator):
             raise ValueError(f"num_items_in_batch is 0 but the batch has {n_rows} labelled tokens")
         total = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
         grads = GradSum(r.trainable)
-        head_grads = r.head_grad_sums() if want_grad and run.fused else {}
+        head_grads = r.head_grad_sums() if want_grad and call.fused else {}
         dflat = r.grad_buffer() if want_grad and r.need_input else None
         for idx in r.chunks():
             rows, inputs = r.read(idx, want_grad)
             targets = r.targets.index_select(0, idx)
-            chunk = _Chunk(run, rows, inputs, graph=want_grad)
+            chunk = _Chunk(call, rows, inputs, graph=want_grad)
             z = chunk.z
             lse = torch.logsumexp(z, dim=-1)  # (n,)
             total += (lse - z.gather(1, targets[:, None]).squeeze(1)).sum()
             if want_grad:
                 # d(sum CE)/dz = softmax - onehot, computed in the z buffer itself
-                z_kept = z.clone() if run.transform.softcap is not None else None
+                z_kept = z.clone() if call.transform.softcap is not None else None
                 dz = z.sub_(lse[:, None]).exp_()
                 dz[torch.arange(dz.shape[0], device=dz.device), targets] -= 1
                 g = chunk.backprop(dz, z_kept, head_grads)
@@ -291,16 +291,16 @@ class ChunkedCrossEntropyFunction(torch.autograd.Function):
 
 
 class ChunkedTokenStatsFunction(torch.autograd.Function):
-    """hidden (B, T, H), run, stats, *params -> one (B, T) tensor per name in ``STATS`` (None for
+    """hidden (B, T, H), call, stats, *params -> one (B, T) tensor per name in ``STATS`` (None for
     those not in ``stats``): log_probs of the targets and entropy (both differentiable), and
     log(sum p^2), the mean transformed logit and whether the target is the first argmax (no
     gradient). Every stat is 0 (False) where the target is IGNORE_INDEX."""
 
     @staticmethod
     @in_phase("head")
-    def forward(ctx, hidden: torch.Tensor, run: HeadRun, stats: tuple[str, ...], *params):
+    def forward(ctx, hidden: torch.Tensor, call: HeadCall, stats: tuple[str, ...], *params):
         ctx.set_materialize_grads(False)
-        r = _Rows(ctx, hidden, run, params, first_param=3)
+        r = _Rows(ctx, hidden, call, params, first_param=3)
         acc = torch.promote_types(hidden.dtype, torch.float32)
         N = r.flat.shape[0]
         out = {name: torch.zeros(N, dtype=torch.bool if name == "is_top1" else acc, device=hidden.device)
@@ -310,7 +310,7 @@ class ChunkedTokenStatsFunction(torch.autograd.Function):
         for idx in r.chunks():
             rows = r.flat.index_select(0, idx)
             targets = r.targets.index_select(0, idx)
-            z = _Chunk(run, rows, [], graph=False).z  # (n, V)
+            z = _Chunk(call, rows, [], graph=False).z  # (n, V)
             lse = torch.logsumexp(z, dim=-1)
             lse_all[done: done + idx.numel()] = lse
             done += idx.numel()
@@ -327,7 +327,7 @@ class ChunkedTokenStatsFunction(torch.autograd.Function):
                     out["log_sum_sq_probs"][idx] = _rowdot(p, p).log()
                 del p
             del z
-        ctx.run = run
+        ctx.call = call
         ctx.hidden_shape = hidden.shape
         entropy = out.get("entropy")
         ctx.save_for_backward(hidden, lse_all, entropy if entropy is not None else lse_all, *params)
@@ -340,12 +340,12 @@ class ChunkedTokenStatsFunction(torch.autograd.Function):
     def backward(ctx, grad_log_probs, grad_entropy, *_):
         _backward_once(ctx, "per-token log-prob head")
         hidden, lse_all, entropy, *params = ctx.saved_tensors
-        run: HeadRun = ctx.run
-        r = _Rows(ctx, hidden, run, params, first_param=3)
+        call: HeadCall = ctx.call
+        r = _Rows(ctx, hidden, call, params, first_param=3)
         g_lp = grad_log_probs.reshape(-1) if grad_log_probs is not None else None
         g_ent = grad_entropy.reshape(-1) if grad_entropy is not None else None
         grads = GradSum(r.trainable)
-        head_grads = r.head_grad_sums() if run.fused else {}
+        head_grads = r.head_grad_sums() if call.fused else {}
         dflat = r.grad_buffer() if r.need_input else None
         done = 0
         for idx in r.chunks():
@@ -354,9 +354,9 @@ class ChunkedTokenStatsFunction(torch.autograd.Function):
             done += n
             rows, inputs = r.read(idx, True)
             targets = r.targets.index_select(0, idx)
-            chunk = _Chunk(run, rows, inputs, graph=True)
+            chunk = _Chunk(call, rows, inputs, graph=True)
             z = chunk.z
-            z_kept = z.clone() if run.transform.softcap is not None else None
+            z_kept = z.clone() if call.transform.softcap is not None else None
             dz = z.sub_(lse)  # log p, in place
             if g_ent is not None:
                 # dH/dz = -p (log p + H)
@@ -381,23 +381,23 @@ class ChunkedTokenStatsFunction(torch.autograd.Function):
         return (dinput, None, None, *_param_grads(ctx, grads.result(zeros_for_missing=True), 3))
 
 
-def token_stats(hidden: torch.Tensor, run: HeadRun, stats: tuple[str, ...], params) -> dict:
+def token_stats(hidden: torch.Tensor, call: HeadCall, stats: tuple[str, ...], params) -> dict:
     """{name: (B, T) tensor} for "log_probs" and each requested name of ``STATS``. ``params()``
     gives the trainable parameters of the norm and the head, looked up inside the head's call."""
     unknown = set(stats) - set(STATS)
     if unknown:
         raise ValueError(f"unknown per-token statistics {sorted(unknown)}; choose from {STATS}")
     # inside one call of the LM head module: engine hooks gather it once, not once per chunk
-    out = call_through(run.lm_head, lambda h: ChunkedTokenStatsFunction.apply(h, run, tuple(stats), *params()), hidden)
+    out = call_through(call.lm_head, lambda h: ChunkedTokenStatsFunction.apply(h, call, tuple(stats), *params()), hidden)
     return {name: t for name, t in zip(STATS, out) if t is not None}
 
 
-def cross_entropy(hidden: torch.Tensor, run: HeadRun, denominator, params) -> torch.Tensor:
+def cross_entropy(hidden: torch.Tensor, call: HeadCall, denominator, params) -> torch.Tensor:
     """The summed CE of the labelled rows over ``denominator`` (transformers' causal-LM loss);
     ``params()`` as in ``token_stats``."""
     grad = torch.is_grad_enabled()
-    return call_through(run.lm_head, lambda h: ChunkedCrossEntropyFunction.apply(h, run, denominator, grad, *params()),
+    return call_through(call.lm_head, lambda h: ChunkedCrossEntropyFunction.apply(h, call, denominator, grad, *params()),
                         hidden)
 
 
-__all__ = ["HeadRun", "IGNORE_INDEX", "LogitTransform", "STATS", "cross_entropy", "shift_labels", "token_stats"]
+__all__ = ["HeadCall", "IGNORE_INDEX", "LogitTransform", "STATS", "cross_entropy", "shift_labels", "token_stats"]

@@ -25,31 +25,33 @@ import torch
 from torch import nn
 
 from ..memory import in_phase
-from ._attention import ChunkMasks, Documents, KeyKeep, PrefixGradSink, key_start
+from ._adapter import DecoderFamily, RotaryRows, Router
 from ._attention_backends import SdpaSwitches
 from ._grads import AutocastState, GradSum
+from ._masks import ChunkMasks, Documents, KeyKeep, PrefixGradSink, key_start
 from ._moe import RouterStats
 from ._offload import HostStore, backward_reads
 
 
 @dataclass
-class LayerRun:
+class LayerCall:
     """Everything one call of a streamed layer needs besides its input and parameters."""
 
-    adapter: object
+    adapter: DecoderFamily
     layer: nn.Module
     window: int | None
     softcap: float | None  # attention logit soft-capping
-    rope: object  # models.Rope: (cos, sin) of rows [s, e), (1 or B, e - s, R), R rotary dims
+    rope: RotaryRows  # (cos, sin) of rows [s, e), (1 or B, e - s, R), R rotary dims
     key_keep: KeyKeep | None  # None when nothing is padded
     documents: Documents | None  # packed rows, None when every row is one sequence
     chunk_size: int
     autocast: AutocastState
-    router: object = None  # models.Router of a mixture-of-experts layer whose statistics are asked for
+    router: Router | None = None  # of a mixture-of-experts layer whose statistics are asked for
     router_stats: RouterStats | None = None
     offload: HostStore | None = None  # the layer's input, output and their gradients live on the host
     # the attention kernels enabled in forward, replayed for the recompute and its backward
     sdpa: SdpaSwitches = field(default_factory=SdpaSwitches)
+    attention: str = "blocks"  # how chunk attention applies its masks (``_masks.ATTENTION_MODES``)
 
     def chunks(self, length: int) -> list[tuple[int, int]]:
         return [(s, min(s + self.chunk_size, length)) for s in range(0, length, self.chunk_size)]
@@ -65,7 +67,7 @@ class LayerRun:
         """The ``LayerChunk`` (output, own key, own value, router logits) of rows [start, end);
         prefix_* are K/V rows [key_begin(start), start), or None when that range is empty."""
         masks = ChunkMasks(start, end, self.key_begin(start), self.window, self.key_keep, hidden_c.device,
-                           self.documents)
+                           self.documents, self.attention)
         return self.adapter.chunk_forward(
             self.layer, hidden_c, prefix_key, prefix_value, *self.rope.rows(start, end), masks,
             sink, self.softcap, self.router if self.router_stats is not None else None,
@@ -75,17 +77,17 @@ class LayerRun:
 class StreamedLayerFunction(torch.autograd.Function):
     @staticmethod
     @in_phase("layer forward")
-    def forward(ctx, hidden: torch.Tensor, run: LayerRun, *params: torch.Tensor):
-        chunks = run.chunks(hidden.shape[1])
-        if run.offload is not None:  # hidden and out are host tensors; chunks move to the device and back
-            reader = run.offload.reader([(hidden, s, e) for s, e in chunks])
-            out = run.offload.empty(hidden.shape, hidden.dtype)
+    def forward(ctx, hidden: torch.Tensor, call: LayerCall, *params: torch.Tensor):
+        chunks = call.chunks(hidden.shape[1])
+        if call.offload is not None:  # hidden and out are host tensors; chunks move to the device and back
+            reader = call.offload.reader([(hidden, s, e) for s, e in chunks])
+            out = call.offload.empty(hidden.shape, hidden.dtype)
 
             def rows(s, e):
                 return reader.take(hidden, s, e)
 
             def write(s, e, block):
-                run.offload.write(out, s, e, block)
+                call.offload.write(out, s, e, block)
         else:
             # Memory: the output (B, T, H) is the next layer's input (or the head's)
             out = torch.empty_like(hidden)
@@ -101,36 +103,36 @@ class StreamedLayerFunction(torch.autograd.Function):
         prob_sum = None  # (E,) router probabilities summed over the rows, when asked for
         with torch.no_grad():
             for s, e in chunks:
-                kb = run.key_begin(s)
+                kb = call.key_begin(s)
                 prefix = (key_buf[:, :, kb:s], value_buf[:, :, kb:s]) if s > kb else (None, None)
-                out_c, key_c, value_c, logits = run.chunk_out(rows(s, e), *prefix, s, e)
+                out_c, key_c, value_c, logits = call.chunk_out(rows(s, e), *prefix, s, e)
                 write(s, e, out_c)
                 del out_c  # Memory: one chunk's output at a time
-                if run.router_stats is not None:  # routings counted and probabilities summed
-                    chunk_sum = run.router_stats.chunk_prob_sum(logits, s, e, run.router)
+                if call.router_stats is not None:  # routings counted and probabilities summed
+                    chunk_sum = call.router_stats.chunk_prob_sum(logits, s, e, call.router)
                     prob_sum = chunk_sum if prob_sum is None else prob_sum + chunk_sum
                 del logits  # Memory: one chunk's router logits at a time
                 if key_buf is None:
                     key_buf = key_c.new_empty((*key_c.shape[:2], hidden.shape[1], key_c.shape[3]))
                     value_buf = value_c.new_empty((*value_c.shape[:2], hidden.shape[1], value_c.shape[3]))
                 key_buf[:, :, s:e], value_buf[:, :, s:e] = key_c, value_c
-        if run.offload is not None:
-            run.offload.finish()  # out is complete before autograd hands it on
+        if call.offload is not None:
+            call.offload.finish()  # out is complete before autograd hands it on
         # Memory: the layer input is the only activation kept until backward (on the host with offload)
         ctx.save_for_backward(hidden, *params)
-        ctx.run = run
+        ctx.call = call
         return out if prob_sum is None else (out, prob_sum)
 
     @staticmethod
     @in_phase("layer backward")
     def backward(ctx, grad_out: torch.Tensor, grad_prob_sum: torch.Tensor | None = None):
-        run: LayerRun = ctx.run
+        call: LayerCall = ctx.call
         hidden, *params = ctx.saved_tensors
         T = hidden.shape[1]
-        chunks = run.chunks(T)
-        if run.offload is not None:  # hidden and grad_out are host tensors: rows come in planned order
-            grad_out = run.offload.adopt(grad_out)  # (in the store's layout, whoever made it)
-            reader = run.offload.reader(backward_reads(hidden, grad_out, chunks))
+        chunks = call.chunks(T)
+        if call.offload is not None:  # hidden and grad_out are host tensors: rows come in planned order
+            grad_out = call.offload.adopt(grad_out)  # (in the store's layout, whoever made it)
+            reader = call.offload.reader(backward_reads(hidden, grad_out, chunks))
 
             def rows(s, e):
                 return reader.take(hidden, s, e)
@@ -155,8 +157,8 @@ class StreamedLayerFunction(torch.autograd.Function):
         prefix_rows = chunks[-1][0]
         key = value = None
         for s, e in chunks[:-1]:
-            with torch.no_grad(), run.autocast():
-                key_b, value_b = run.adapter.key_value(run.layer, rows(s, e), *run.rope.rows(s, e))
+            with torch.no_grad(), call.autocast():
+                key_b, value_b = call.adapter.key_value(call.layer, rows(s, e), *call.rope.rows(s, e))
             if key is None:
                 key = key_b.new_empty((*key_b.shape[:2], prefix_rows, key_b.shape[3]))
                 value = value_b.new_empty((*value_b.shape[:2], prefix_rows, value_b.shape[3]))
@@ -169,7 +171,7 @@ class StreamedLayerFunction(torch.autograd.Function):
         dhidden = grad_out if need_input else None
 
         for s, e in reversed(chunks):
-            kb = run.key_begin(s)
+            kb = call.key_begin(s)
             hidden_c = rows(s, e).detach().requires_grad_(need_input)
             prefix_key = prefix_value = None
             if s > kb:
@@ -177,11 +179,11 @@ class StreamedLayerFunction(torch.autograd.Function):
                 # as (B, Hkv, s - kb, D) on the single-SDPA path), never as T-row tensors
                 prefix_key = key[:, :, kb:s].detach().requires_grad_()
                 prefix_value = value[:, :, kb:s].detach().requires_grad_()
-            with torch.enable_grad(), run.autocast(), run.sdpa():
-                out_c, key_c, value_c, logits = run.chunk_out(hidden_c, prefix_key, prefix_value, s, e, sink)
+            with torch.enable_grad(), call.autocast(), call.sdpa():
+                out_c, key_c, value_c, logits = call.chunk_out(hidden_c, prefix_key, prefix_value, s, e, sink)
                 prob_sum_c = None
                 if grad_prob_sum is not None:  # the load-balancing loss's share of this chunk
-                    prob_sum_c = run.router_stats.chunk_prob_sum(logits, s, e)
+                    prob_sum_c = call.router_stats.chunk_prob_sum(logits, s, e)
             outputs, grad_outputs = [out_c], [grad_rows(s, e)]
             if prob_sum_c is not None and prob_sum_c.requires_grad:  # (not with a frozen router and input)
                 outputs.append(prob_sum_c)
@@ -193,11 +195,11 @@ class StreamedLayerFunction(torch.autograd.Function):
                         grad_outputs.append(d[:, :, s:e])
             prefix = [t for t in (prefix_key, prefix_value) if t is not None and key_c.requires_grad]
             inputs = ([hidden_c] if need_input else []) + prefix + trainable
-            with run.sdpa():  # (the attention's backward picks its kernel too)
+            with call.sdpa():  # (the attention's backward picks its kernel too)
                 g = list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True))
             if need_input:  # final: no other chunk reaches rows [s, e)
-                if run.offload is not None:
-                    run.offload.write(dhidden, s, e, g.pop(0))
+                if call.offload is not None:
+                    call.offload.write(dhidden, s, e, g.pop(0))
                 else:
                     dhidden[:, s:e] = g.pop(0)
             if prefix:
@@ -208,7 +210,7 @@ class StreamedLayerFunction(torch.autograd.Function):
             grads.add(g)
             del out_c, key_c, value_c, logits, prob_sum_c, g
 
-        if run.offload is not None:
-            run.offload.finish()  # dhidden is complete before autograd hands it on
+        if call.offload is not None:
+            call.offload.finish()  # dhidden is complete before autograd hands it on
         it = iter(grads.result())
         return (dhidden, None, *[next(it) if need else None for need in ctx.needs_input_grad[2:]])

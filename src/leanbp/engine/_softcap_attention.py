@@ -6,7 +6,7 @@ For query row i and visible key j (causal, sliding window, padding, same packed 
     P_ij = exp(s_ij - lse_i),  lse_i = log sum_j exp(s_ij),   O_i = sum_j P_ij v_j
 
 SDPA has no hook for the tanh, and the (c x keys) score matrix is what leanbp never holds, so the
-keys go by in blocks of at most ``block_rows`` (online softmax): with a running max m_i, sum l_i and
+keys go by in blocks of at most ``BLOCK_ROWS`` (online softmax): with a running max m_i, sum l_i and
 output accumulator a_i, a block rescales the old terms by exp(m_old - m_new) and adds its own
 exp(s_ij - m_new) (to l_i) and exp(s_ij - m_new) v_j (to a_i); at the end O_i = a_i / l_i and
 lse_i = m_i + log l_i. Rows that see no key output 0 (lse 0), as the two-block path does.
@@ -27,16 +27,16 @@ from __future__ import annotations
 
 import torch
 
-from ._attention import ChunkMasks, PrefixGradSink
+from ._masks import ChunkMasks, PrefixGradSink
 
-block_rows = 1024  # Memory: the score temporaries are (B, Hq, c, block_rows)
+BLOCK_ROWS = 1024  # Memory: the score temporaries are (B, Hq, c, BLOCK_ROWS)
 
 
 def _key_blocks(masks: ChunkMasks, prefix_rows: int):
     """(part, b0, b1, k0): rows [b0, b1) of part 0 (the prefix) or 1 (own rows); k0 = key row of b0."""
     for part, first, n in ((0, masks.key_begin, prefix_rows), (1, masks.start, masks.end - masks.start)):
-        for b0 in range(0, n, block_rows):
-            yield part, b0, min(b0 + block_rows, n), first + b0
+        for b0 in range(0, n, BLOCK_ROWS):
+            yield part, b0, min(b0 + BLOCK_ROWS, n), first + b0
 
 
 def _scores(q, k, mask, scale: float, softcap: float, groups: int):

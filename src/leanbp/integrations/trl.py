@@ -16,16 +16,15 @@ StreamBP already keeps only each layer's input (a streamed step would ignore it 
 
 from __future__ import annotations
 
-from ..engine import StreamConfig, stream
-from ..engine._stream import causal_lm_of
+from ..streaming import StreamConfig, causal_lm_of, resolve_config, stream
 
 
-def stream_trainer(trainer, chunk_size: int | str = StreamConfig.chunk_size,
-                   head_chunk_size: int = StreamConfig.head_chunk_size, chunk_memory: int | None = None,
-                   offload: bool = False):
-    """Stream ``trainer.model`` and ``trainer.ref_model`` (when the trainer has a separate one), and
-    switch the trainer's activation checkpointing off; ``offload`` keeps the hidden states between
-    layers and their gradients in host memory (a reference model, which builds no graph, keeps nothing). Returns the trainer."""
+def stream_trainer(trainer, config: StreamConfig | None = None, **overrides):
+    """Stream ``trainer.model`` and ``trainer.ref_model`` (when the trainer has a separate one) with
+    ``config`` and ``overrides`` (as ``leanbp.stream``), and switch the trainer's activation
+    checkpointing off. With ``offload``, a reference model (which builds no graph) keeps nothing
+    on the host. Returns the trainer."""
+    config = resolve_config(config, overrides)
     for name in ("activation_checkpointing", "gradient_checkpointing"):  # transformers 5 keeps both fields
         if getattr(trainer.args, name, False):
             setattr(trainer.args, name, False)
@@ -35,8 +34,7 @@ def stream_trainer(trainer, chunk_size: int | str = StreamConfig.chunk_size,
         lm = causal_lm_of(model)
         if getattr(lm, "is_activation_checkpointing", False):  # enabled while the trainer was built
             lm.activation_checkpointing_disable()
-        stream(model, chunk_size=chunk_size, head_chunk_size=head_chunk_size, chunk_memory=chunk_memory,
-               offload=offload)
+        stream(model, config)
     return trainer
 
 

@@ -1,4 +1,5 @@
-"""When to run a Triton kernel instead of the PyTorch reference."""
+"""When to run a Triton kernel instead of the PyTorch reference, and the kernels' entry points
+(imported on first use: triton is optional)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,40 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+@functools.cache
+def _switched_off() -> bool:
+    """``LEANBP_TRITON=0``: the PyTorch references everywhere (read once per process)."""
+    return os.environ.get("LEANBP_TRITON", "1") == "0"
+
+
 def use_triton(x: torch.Tensor) -> bool:
-    """CUDA tensors with triton installed (LEANBP_TRITON=0 turns it off), except float64: the
-    kernels compute in fp32, so float64 (exactness checks) keeps the reference."""
-    return x.is_cuda and x.dtype != torch.float64 and triton_available() and os.environ.get("LEANBP_TRITON", "1") != "0"
+    """CUDA tensors with triton installed (unless ``LEANBP_TRITON=0``), except float64: the kernels
+    compute in fp32, so float64 (exactness checks) keeps the reference."""
+    return x.is_cuda and x.dtype != torch.float64 and triton_available() and not _switched_off()
+
+
+def approx_act_forward(kind: str, x: torch.Tensor, thresholds):
+    """ReGELU2 / ReSiLU2 forward and packed 2-bit codes (``_approx_act.py``)."""
+    from ._approx_act import approx_act_forward as kernel
+
+    return kernel(kind, x, thresholds)
+
+
+def approx_act_backward(grad_out: torch.Tensor, packed: torch.Tensor, consts):
+    from ._approx_act import approx_act_backward as kernel
+
+    return kernel(grad_out, packed, consts)
+
+
+def ms_norm_forward(x: torch.Tensor, eps: float, center: bool, out_dtype: torch.dtype):
+    """MS-LayerNorm / MS-RMSNorm forward (``_ms_norm.py``)."""
+    from ._ms_norm import ms_norm_forward as kernel
+
+    return kernel(x, eps, center, out_dtype)
+
+
+def ms_norm_backward(grad_y: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, center: bool,
+                     input_dtype: torch.dtype):
+    from ._ms_norm import ms_norm_backward as kernel
+
+    return kernel(grad_y, y, rstd, center, input_dtype)

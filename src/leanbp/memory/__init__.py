@@ -1,8 +1,25 @@
-"""Measuring peak memory of a training step (``track``, ``MemoryReport``) and predicting it for a
-device one does not have (``Planner``, behind ``leanbp plan``)."""
+"""Measuring the peak memory of a training step: ``track`` and its ``MemoryReport`` (live tensor
+bytes on CPU and on fake tensors, allocator peaks on CUDA, host memory apart), the phase labels the
+engine puts on its work, and memory sizes as people write them. (Predicting a device one does not
+have is ``leanbp.plan``.)"""
 
-from ._planner import PRESETS, Planner, training_step
+from ._sizes import GiB, MiB, parse_bytes
 from ._tracker import MemoryReport, count_host_storage, host_allocations, in_phase, phase, track
 
-__all__ = ["MemoryReport", "PRESETS", "Planner", "count_host_storage", "host_allocations", "in_phase", "phase", "track",
-           "training_step"]
+__all__ = ["GiB", "MemoryReport", "MiB", "count_host_storage", "host_allocations", "in_phase", "parse_bytes", "phase",
+           "track"]
+
+_MOVED_TO_PLAN = ("PRESETS", "Planner", "training_step")
+
+
+def __getattr__(name: str):
+    """Deprecated: the planner moved to ``leanbp.plan`` (it drives the engine, which this package
+    serves)."""
+    if name in _MOVED_TO_PLAN:
+        import warnings
+
+        from .. import plan
+
+        warnings.warn(f"leanbp.memory.{name} moved to leanbp.plan.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(plan, name)
+    raise AttributeError(f"module 'leanbp.memory' has no attribute {name!r}")

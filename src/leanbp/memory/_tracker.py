@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-MiB = 2**20
+from ._sizes import MiB
 
 
 class _HostBytes:

@@ -2,14 +2,15 @@
 
 A family adapter answers three clients:
 
-* the streamed engine (``leanbp.engine``): where the embedding, decoder layers, final norm and LM
-  head live; the rotary embedding each layer uses; each layer's attention kind (sliding window,
-  logit soft-capping); the split of a decoder layer into "K/V of given rows" (``key_value``) and
-  "everything else for a chunk of rows" (``chunk_forward``); the transform applied to the logits;
-  the router of a mixture-of-experts layer;
+* the streamed engine (``leanbp.engine``, whose ``DecoderFamily`` protocol it implements) and the
+  switch that installs it (``leanbp.streaming``): where the embedding, decoder layers, final norm
+  and LM head live; the rotary embedding each layer uses; each layer's attention kind (sliding
+  window, logit soft-capping); the split of a decoder layer into "K/V of given rows"
+  (``key_value``) and "everything else for a chunk of rows" (``chunk_forward``); the transform
+  applied to the logits; the router of a mixture-of-experts layer;
 * the approx patcher (``leanbp.approx``): which norms feed which linear layers (fold sites for the
   memory-sharing norms) and which modules own the MLP activation;
-* the float64 verifier (``leanbp._verify_utils``): a full-precision forward for the family's norms.
+* the float64 references (``leanbp.testing``): a full-precision forward for the family's norms.
 
 Adapters call the layer's own submodules (so PEFT-wrapped linears, custom norms and activations
 keep working), look modules up on every call (PEFT and engine wrappers replace them), and never copy
@@ -23,22 +24,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import partial
-from typing import ClassVar, NamedTuple, Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from ..engine._attention import ChunkMasks, PrefixGradSink, chunk_attention
-from ..engine._head import LogitTransform
-
-
-class LayerChunk(NamedTuple):
-    """What ``chunk_forward`` returns for rows [s, e) of one layer."""
-
-    out: torch.Tensor  # (B, c, H)
-    key: torch.Tensor  # (B, Hkv, c, D): the chunk's own K/V rows, computed from the same normed rows
-    value: torch.Tensor
-    router_logits: torch.Tensor | None = None  # (B*c, E) for a mixture-of-experts layer
+from ..engine import ChunkMasks, LayerChunk, LogitTransform, PrefixGradSink, Router, chunk_attention
 
 
 @dataclass
@@ -50,15 +41,6 @@ class NormSite:
     attr: str
     consumers: list
     residual: nn.Module | None = None
-
-
-@dataclass(frozen=True)
-class Router:
-    """A mixture-of-experts layer's router: ``module``'s output[0] are the router logits (N, E)."""
-
-    module: nn.Module
-    num_experts: int
-    top_k: int
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -135,7 +117,8 @@ class ApproxRecipe(Protocol):
 
 
 class FamilyAdapter(ABC):
-    """Everything leanbp needs from one model family. One instance per streamed model."""
+    """Everything leanbp needs from one model family (the engine's ``DecoderFamily`` and more).
+    One instance per streamed model."""
 
     #: the family's RMSNorms scale by (norm_weight_offset + weight): 1 for Gemma, 0 elsewhere
     norm_weight_offset: ClassVar[float] = 0.0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import transformers
 
-from ..engine import _softcap_attention as softcap_attention
+from ..engine import SOFTCAP_BLOCK_ROWS
 from ._base import DecoderAdapter, Rope
 
 
@@ -36,7 +36,7 @@ class Gemma2Adapter(DecoderAdapter):
         # capped scores, probabilities and their gradients: about 6 copies)
         extra = 0
         if any(self.attention_softcap(i) for i in range(len(self.layers()))):
-            extra = 6 * self.config.num_attention_heads * softcap_attention.block_rows
+            extra = 6 * self.config.num_attention_heads * SOFTCAP_BLOCK_ROWS
         return super().row_working_set() + extra
 
     def check(self):

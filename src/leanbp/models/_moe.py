@@ -5,14 +5,14 @@ routed on its own, so the MLP is separable by rows and streams like a dense one.
 load-balancing loss is not: it multiplies, per expert, the fraction of all tokens routed there (a
 count, no gradient) by the mean router probability over all tokens (with gradient). The engine sums
 both per layer while streaming the forward and hands the probability sums a gradient in backward
-(see ``engine/_moe.py``); the adapter only says where the router is.
+(see ``leanbp.engine``, ``_moe.py``); the adapter only says where the router is.
 """
 
 from __future__ import annotations
 
 import transformers
 
-from ._base import Router
+from ..engine import Router
 from ._llama import LlamaAdapter, MistralAdapter, Qwen3Adapter
 
 

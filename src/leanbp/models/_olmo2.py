@@ -4,7 +4,7 @@ over the full projection width (all heads together), before the heads are split.
     h = h + n1(o_proj(attention(rope(q_norm(q_proj(h))), rope(k_norm(k_proj(h))), v_proj(h))))
     h = h + n2(mlp(h))
 
-This module is the worked example of "Adding a family" in the README.
+This module is the worked example of "Adding a family" in docs/families.md.
 """
 
 from __future__ import annotations

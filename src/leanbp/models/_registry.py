@@ -84,7 +84,7 @@ def adapter_for(model: nn.Module, layers: bool = True) -> FamilyAdapter:
     )
     raise NotImplementedError(
         f"leanbp has no adapter for model_type={model_type!r} ({name}). Streamed layers: "
-        f"{', '.join(supported_model_types())}.{fallback} Adding a family: see 'Adding a family' in the README."
+        f"{', '.join(supported_model_types())}.{fallback} Adding a family: see docs/families.md."
     )
 
 

@@ -1,0 +1,197 @@
+"""``leanbp plan`` output: the peak at each T per method, the longest T that fits, as a table, CSV,
+JSON and a plot (memory against T per method, with the budget line)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..memory import GiB, MiB
+from ..streaming import METHODS, PLANNED, StreamConfig
+from ._planner import OPTIMIZER_BYTES_PER_PARAM, Planner
+
+DEFAULT_SEQ_LENS = [4096, 16384, 65536, 131072, 262144, 1048576]
+
+
+@dataclass(frozen=True)
+class CudaReserve:
+    """What a CUDA training process holds on the device besides its tensors, which a fake step
+    cannot see; ``leanbp plan`` holds it back from the budget unless ``--reserve`` says otherwise.
+
+    * ``context``: the CUDA context with the kernels a training step loads. Measured 0.27 GiB with
+      lazy module loading (PyTorch's default since 1.13) and 0.62 GiB without (pytorch/pytorch
+      PR 86509); "around 400MB if CUDA >= 11.7" (a maintainer, pytorch/pytorch issue 109888). cuBLAS,
+      cuDNN and the attention kernels load into it as they first run: 1 GiB leaves room for them.
+    * ``workspaces``: cuBLAS keeps a workspace per (handle, stream), 32 MiB on sm90+ and 8.1 MiB
+      before (aten/src/ATen/cuda/CublasHandlePool.cpp); two streams with offload: 64 MiB.
+    * ``fragmentation``: the caching allocator's reserved-but-unallocated memory at the peak, as a
+      share of the device memory: 5%, an assumption. It depends on how allocation sizes change over
+      a run (from tens of MiB to 16 of 93 reserved GiB in meta-pytorch/torchrec PR 4584); a streamed
+      step repeats the same chunk sizes, and ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+      keeps it small. ``benchmarks/cuda_check.py`` measures it when a GPU is lent.
+    """
+
+    context: int = GiB
+    workspaces: int = 64 * MiB
+    fragmentation: float = 0.05
+
+    def total(self, memory: int) -> int:
+        return self.context + self.workspaces + int(self.fragmentation * memory)
+
+    def describe(self, memory: int) -> str:
+        return (f"CUDA context {self.context / GiB:.2f} + cuBLAS workspaces {self.workspaces / GiB:.2f} + allocator "
+                f"fragmentation {self.fragmentation:.0%} of the memory {self.fragmentation * memory / GiB:.2f} GiB")
+
+
+@dataclass
+class PlanRequest:
+    model: str = "qwen3-8b"
+    memory: int = 80 * GiB  # the device's memory, bytes
+    # held back for what the plan does not model; None: ``CudaReserve``'s default for this memory
+    reserve: int | None = None
+    dtype: str = "bf16"
+    batch: int = 1
+    seq_lens: list[int] = field(default_factory=lambda: list(DEFAULT_SEQ_LENS))
+    methods: list[str] = field(default_factory=lambda: list(PLANNED))
+    modes: list[str] = field(default_factory=lambda: ["backprop", "step"])
+    stream: StreamConfig = field(default_factory=StreamConfig)  # leanbp's settings (a fixed chunk size)
+    hold_outputs: bool = True
+    lora_rank: int | None = None
+    reserve_note: str = "given"  # where the reserve comes from (filled in for the default)
+
+    def __post_init__(self):
+        bad = [m for m in self.methods if m not in PLANNED]
+        if bad or not self.methods:
+            raise ValueError(f"methods: {bad or 'none given'}; choose from {list(PLANNED)}")
+        bad = [m for m in self.modes if m not in ("backprop", "step")]
+        if bad or not self.modes:
+            raise ValueError(f"modes: {bad or 'none given'}; choose from backprop, step")
+        if not self.seq_lens or any(not isinstance(t, int) or t < 1 for t in self.seq_lens):
+            raise ValueError(f"seq_lens must be positive integers, got {self.seq_lens}")
+        if self.reserve is None:
+            default = CudaReserve()
+            self.reserve, parts = default.total(self.memory), default.describe(self.memory)
+            self.reserve_note = f"default: {parts}; --reserve to change"
+            if self.reserve >= self.memory:
+                raise ValueError(f"the default reserve ({parts}) is more than the memory ({self.memory / GiB:.2f} GiB): "
+                                 "pass --reserve (e.g. 0 for a toy budget)")
+        if self.reserve >= self.memory:
+            raise ValueError("the reserve must be smaller than the memory")
+
+    @property
+    def budget(self) -> int:
+        return self.memory - self.reserve
+
+
+def run_plan(request: PlanRequest, config, progress: bool = True) -> dict:
+    """Every (mode, method, T) peak and every (mode, method) longest T, as plain data."""
+    from tqdm import tqdm
+
+    planner = Planner(config, dtype=request.dtype, batch=request.batch, stream=request.stream,
+                      hold_outputs=request.hold_outputs, lora_rank=request.lora_rank)
+    started = time.perf_counter()
+    bar = tqdm(total=len(request.methods), desc="leanbp plan", unit="method", disable=not progress)
+    peaks, longest = [], []
+    for method in request.methods:
+        planner.lines(method, progress=lambda m, T: bar.set_postfix_str(f"{m}: fake step at T={T}"))
+        for mode in request.modes:
+            optimizer = mode == "step"
+            for T in request.seq_lens:
+                peak = planner.peak(method, T, optimizer)
+                peaks.append(dict(mode=mode, **asdict(peak), total=peak.total))
+            bar.set_postfix_str(f"{method}: longest T ({mode})")
+            T, checked = planner.max_seq_len(method, request.budget, optimizer)
+            longest.append(dict(mode=mode, method=method, max_seq_len=T, checked=checked))
+        bar.update()
+    bar.close()
+    return {"request": asdict(request), "budget": request.budget, "parameters": planner.trainable_params(),
+            "optimizer_bytes_per_param": OPTIMIZER_BYTES_PER_PARAM, "seconds": time.perf_counter() - started,
+            "peaks": peaks, "longest": longest}
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:.1f}"
+
+
+def format_plan(result: dict) -> str:
+    req = result["request"]
+    lines = [
+        f"leanbp plan: {req['model']}, "
+        + (f"LoRA r={req['lora_rank']} on every linear layer ({result['parameters'] / 1e6:.1f} M trainable "
+           "parameters)" if req["lora_rank"] else f"full fine-tuning ({result['parameters'] / 1e9:.2f} B parameters)")
+        + f", {req['dtype']}, batch {req['batch']}, device memory {_gib(req['memory'])} GiB - reserve "
+        f"{_gib(req['reserve'])} GiB ({req['reserve_note']}); leanbp chunk {req['stream']['chunk_size']} rows; outputs "
+        f"{'held through' if req['hold_outputs'] else 'dropped before'} backward ({result['seconds']:.0f} s)",
+        "",
+        "Peak device memory, GiB (step = backprop + AdamW's two fp32 moments; * = from the phases' lines, not a "
+        "fake step at that T; phase = where the peak is):",
+        "",
+        "| mode | method | T | weights | grads | optimizer | activations | total | host | fits | phase |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    budget = result["budget"]
+    for p in result["peaks"]:
+        lines.append(
+            f"| {p['mode']} | {METHODS[p['method']].label} | {p['seq_len']:,}{'' if p['probed'] else '*'} | "
+            f"{_gib(p['weights'])} | {_gib(p['grads'])} | {_gib(p['optimizer'])} | {_gib(p['activations'])} | "
+            f"{_gib(p['total'])} | {_gib(p['host']) if p['host'] else '-'} | {'yes' if p['total'] <= budget else 'no'} | "
+            f"{p['phase']} |")
+    lines += ["", f"Longest sequence that fits {_gib(budget)} GiB (a multiple of 256; * = from the phases' lines, a "
+                  "fake step at that T too long to run):", "",
+              "| method | " + " | ".join(f"{m} T" for m in req["modes"]) + " |",
+              "|---|" + "---|" * len(req["modes"])]
+    by = {(r["mode"], r["method"]): r for r in result["longest"]}
+    for method in req["methods"]:
+        cells = [f"{by[(m, method)]['max_seq_len']:,}{'' if by[(m, method)]['checked'] else '*'}" for m in req["modes"]]
+        lines.append(f"| {METHODS[method].label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_plan(result: dict, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(result, indent=2))
+    with open(out / "plan.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["mode", "method", "seq_len", "weights", "grads", "optimizer", "activations",
+                                          "total", "host", "probed", "phase"])
+        w.writeheader()
+        w.writerows({k: p[k] for k in w.fieldnames} for p in result["peaks"])
+    (out / "plan.md").write_text(format_plan(result) + "\n")
+    _plot(result, out / "plan.png")
+    return out
+
+
+def _plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    req = result["request"]
+    modes = req["modes"]
+    fig, axes = plt.subplots(1, len(modes), figsize=(6.2 * len(modes), 4.4), squeeze=False)
+    budget = result["budget"] / GiB
+    longest = {(r["mode"], r["method"]): r["max_seq_len"] for r in result["longest"]}
+    for ax, mode in zip(axes[0], modes):
+        for method in req["methods"]:
+            rows = [p for p in result["peaks"] if p["mode"] == mode and p["method"] == method]
+            xs = [p["seq_len"] for p in rows]
+            ys = [p["total"] / GiB for p in rows]
+            line, = ax.plot(xs, ys, marker="o", label=f"{METHODS[method].label} (max {longest[(mode, method)]:,})")
+            if longest[(mode, method)]:
+                ax.axvline(longest[(mode, method)], color=line.get_color(), linestyle=":", linewidth=1)
+        ax.axhline(budget, color="black", linestyle="--", linewidth=1, label=f"budget {budget:.1f} GiB")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length T (tokens)")
+        ax.set_ylabel("peak device memory (GiB)")
+        ax.set_title(f"{req['model']}{', LoRA' if req['lora_rank'] else ''}, {req['dtype']}, batch {req['batch']}: "
+                     f"{'backprop only' if mode == 'backprop' else 'full step (AdamW)'}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

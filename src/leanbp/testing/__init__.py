@@ -1,0 +1,17 @@
+"""Public helpers for checking leanbp, as ``torch.testing`` is for PyTorch: the float64 references
+(``_references.py``), ``verify`` (behind ``leanbp verify``), random exactness cases for hypothesis
+(``_cases.py``), fault injection of ``leanbp train`` (``_faults.py``), and the distributed
+conformance check that a torchrun launch runs on every engine (``conformance``: the worker and its settings)."""
+
+from ._cases import ExactCase, case_batch, case_model, check_case, exact_cases
+from .conformance import ENGINES, HF_ENGINES, ChunkCounter, CollectiveCounter, run_conformance
+from ._faults import FaultReport, fingerprint, kill_and_resume, run_to_completion
+from ._references import (exact_trl_head, full_precision_norms, patch_full_precision_norms, randomize_for_checks,
+                          reference_causal_lm_loss, reference_load_balancing_loss, relative_errors, streamed_vs_plain)
+from ._verify import BOUNDARY_CHUNKINGS, group_of, verify
+
+__all__ = ["BOUNDARY_CHUNKINGS", "ChunkCounter", "CollectiveCounter", "ENGINES", "ExactCase", "FaultReport",
+           "HF_ENGINES", "case_batch", "case_model", "check_case", "exact_cases", "exact_trl_head", "fingerprint",
+           "full_precision_norms", "group_of", "kill_and_resume", "patch_full_precision_norms", "randomize_for_checks",
+           "reference_causal_lm_loss", "reference_load_balancing_loss", "relative_errors", "run_conformance",
+           "run_to_completion", "streamed_vs_plain", "verify"]

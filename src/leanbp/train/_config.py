@@ -1,0 +1,104 @@
+"""``TrainConfig``: one run of ``leanbp train``, every setting declared once (the command line's
+options are built from these fields)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .._options import setting
+from ..approx import VARIANTS, variant_settings
+from ..streaming import StreamConfig
+from ._engines import ENGINES
+
+OBJECTIVES = ("lm", "sft", "dpo", "grpo")
+TRAIN_DTYPES = ("fp32", "bf16", "fp64")
+
+
+class NonFiniteError(RuntimeError):
+    """A training step produced a loss or gradient that is not finite."""
+
+
+@dataclass
+class TrainConfig:
+    model: str | None = setting(None, metavar="DIR|config.json",
+                                help="local transformers model directory or config.json (default: the built-in "
+                                     "Qwen3-shaped model, random init, byte-level vocabulary)")
+    data: str | None = setting(None, metavar="FILE",
+                               help="lm: local .txt or .jsonl ('text', or 'prompt'+'completion'); sft|dpo|grpo: a "
+                                    ".jsonl in TRL's format (sft: text | prompt+completion | messages; dpo: "
+                                    "prompt+chosen+rejected; grpo: prompt+answer) (default: the bundled text, or the "
+                                    "objective's built-in set made from it)")
+    objective: str = setting("lm", choices=OBJECTIVES,
+                             help="lm: leanbp's own loop; sft | dpo | grpo: TRL's trainer on the streamed model "
+                                  "(needs pip install -e '.[trl]')")
+    out: str = setting("runs/leanbp-train", metavar="DIR",
+                       help="run folder: checkpoints/step-*/ (checkpoint -> the newest), train_log.csv, loss.png, "
+                            "run.json")
+    seq_len: int = setting(4096, help="tokens per sequence")
+    batch_size: int = setting(1, help="sequences per micro-batch (per process)")
+    grad_accum: int = setting(1, help="micro-batches per optimizer step")
+    steps: int = setting(40, help="optimizer steps of the run")
+    lr: float = setting(1e-3, help="peak learning rate")
+    warmup: int = setting(5, help="linear warmup steps, then cosine decay to 10% of the learning rate")
+    weight_decay: float = setting(0.0, help="AdamW's weight decay")
+    dtype: str = setting("fp32", choices=TRAIN_DTYPES, help="the model's dtype")
+    # how the model streams (its settings are StreamConfig's options); None: plain autograd, the
+    # baseline (--no-stream)
+    stream: StreamConfig | None = field(default_factory=StreamConfig)
+    approx: str = setting("none", choices=VARIANTS,
+                          help="opt in to Approx-BP (act: ReSiLU2/ReGELU2, approximate gradients) and/or MS-BP "
+                               "(norm: memory-sharing norms with folded affines)")
+    save_every: int = setting(20, help="steps between checkpoints")
+    seed: int = setting(0, help="seed of the built-in model's weights and of the data order")
+    device: str = setting("cpu", help="cpu, cuda, cuda:N")
+    resume: bool = setting(False, help="continue the run in the run folder from its newest complete checkpoint (TRL "
+                                       "objectives: the newest OUT/trainer/checkpoint-*)")
+    packing: bool = setting(False, help="sft: pack examples into padding-free rows")
+    group_size: int = setting(4, help="grpo: completions per prompt")
+    completion_len: int = setting(64, help="grpo: tokens generated per completion")
+    keep: int = setting(2, help="checkpoints kept in OUT/checkpoints")
+    overwrite: bool = setting(False, help="replace a previous run in the run folder (else: an error)")
+    skip_nonfinite: bool = setting(False, help="skip a step whose loss or gradient is not finite (default: stop with "
+                                               "an error)")
+    engine: str = setting("single", choices=ENGINES,
+                          help="single: one process (the default); ddp | fsdp2 | zero2 | zero3 (DeepSpeed ZeRO): one "
+                               "process per device, each on its own micro-batches, launched by --nproc N or torchrun "
+                               "(where ddp is the default)")
+
+    def __post_init__(self):
+        if self.dtype not in TRAIN_DTYPES:
+            raise ValueError(f"dtype must be one of {list(TRAIN_DTYPES)}, got {self.dtype!r}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if self.warmup < 0:
+            raise ValueError("warmup must be >= 0")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        for name in ("seq_len", "batch_size", "grad_accum", "steps", "save_every", "group_size", "completion_len",
+                     "keep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.stream is not None and not isinstance(self.stream, StreamConfig):
+            raise TypeError(f"stream must be a leanbp.StreamConfig or None, got {type(self.stream).__name__}")
+        variant_settings(self.approx)  # one of approx's VARIANTS, else ValueError
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.engine != "single" and self.objective != "lm":
+            raise ValueError(f"--engine {self.engine} trains --objective lm; TRL's trainers (sft, dpo, grpo) run on "
+                             "several processes through `accelerate launch` (see docs/multi-gpu.md)")
+        if self.engine in ("fsdp2", "zero2", "zero3") and self.approx != "none":
+            raise ValueError(f"--approx with --engine {self.engine}: the exported checkpoint would hold the folded "
+                             "weights; use --engine ddp (or single) with --approx")
+        if self.engine.startswith("zero") and self.grad_accum != 1:
+            raise ValueError("--engine zero2/zero3 takes --grad-accum 1 (DeepSpeed accumulates by itself); raise "
+                             "--batch-size instead")
+
+    def settings(self, world: int = 1) -> dict:
+        """What the run is, flat (run.json; a --resume must match it): every setting, the stream's
+        among them, and the number of processes (which splits the data and sizes the step)."""
+        flat = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "stream"}
+        streamed = self.stream is not None
+        return {**flat, **vars(self.stream if streamed else StreamConfig()), "stream": streamed, "world_size": world}

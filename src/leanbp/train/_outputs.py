@@ -1,0 +1,82 @@
+"""What a run leaves in its folder besides the checkpoints: ``run.json`` (what the run is, which a
+``--resume`` must match), the loss log ``train_log.csv`` and its plot ``loss.png``."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+from . import _checkpoint as checkpoints
+from ._config import TrainConfig
+
+LOG_HEADER = ["step", "loss", "lr", "tokens_per_s", "peak_mib", "activation_mib"]
+
+
+def prepare_run_folder(cfg: TrainConfig, world: int = 1) -> Path:
+    """The run folder: refuse to overwrite a run silently, or to resume it with other settings."""
+    out = Path(cfg.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:
+        raise ValueError(f"--out {cfg.out}: cannot make a folder there ({e.strerror})") from None
+    saved = checkpoints.read_run(out)
+    if cfg.resume:
+        if saved is None:
+            raise FileNotFoundError(f"--resume: no run in {out}")
+        checkpoints.check_resumable(saved, cfg.settings(world))
+    elif checkpoints.has_run(out):
+        if not cfg.overwrite:
+            done = checkpoints.latest(out)
+            at = f" (checkpoint at step {int(done.name.split('-')[1])})" if done else ""
+            raise ValueError(f"{out} already holds a run{at}; pass --resume to continue it, --overwrite to replace "
+                             "it, or another --out")
+        checkpoints.clear_run(out)
+    return out
+
+
+def record_run(out: Path, cfg: TrainConfig, world: int = 1) -> None:
+    """Written once the model and data have loaded, so that a run that never started leaves none."""
+    checkpoints.write_atomic(out / checkpoints.RUN, json.dumps(cfg.settings(world), indent=1))
+
+
+class LossLog:
+    """``train_log.csv``, one row per step, flushed as it is written. Rows of steps after ``step``
+    (written after the last checkpoint, before a crash) are dropped first: they are redone."""
+
+    def __init__(self, out: Path, step: int):
+        path = out / checkpoints.LOG
+        rows = list(csv.reader(path.open())) if path.exists() else []
+        kept = [LOG_HEADER] + [r for r in rows[1:] if r and r[0].isdigit() and int(r[0]) <= step]
+        buffer = io.StringIO()
+        csv.writer(buffer).writerows(kept)
+        checkpoints.write_atomic(path, buffer.getvalue())
+        self._file = open(path, "a", newline="")
+        self._writer = csv.writer(self._file)
+
+    def write(self, step: int, loss: float, lr: float, tokens_per_s: float, peak_mib: float,
+              activation_mib: float) -> None:
+        self._writer.writerow([step, f"{loss:.5f}", f"{lr:.3e}", f"{tokens_per_s:.1f}", f"{peak_mib:.1f}",
+                               f"{activation_mib:.1f}"])
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def plot_losses(losses: list[float], path: Path) -> None:
+    """Loss against step (skipped steps are gaps)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(losses) + 1), losses, marker="." if len(losses) < 50 else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,186 @@
+"""leanbp plan: fake steps measure what real steps measure, the depth and length lines hold, the
+longest T fits and the next does not, presets are the published shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+import leanbp
+from leanbp import StreamConfig
+from leanbp.cli import main
+from leanbp.memory import parse_bytes
+from leanbp.plan import PRESETS, Planner, load_config, training_step
+
+METHODS = ("plain", "ckpt", "leanbp", "leanbp_offload")
+
+
+def _config(layers=4):
+    return transformers.Qwen3Config(hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                                    max_position_embeddings=4096, tie_word_embeddings=False,
+                                    attn_implementation="sdpa")
+
+
+def _measured(config, method, T, hold_outputs, lora_rank=None):
+    """The step on real tensors, measured by leanbp.memory.track."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    if lora_rank:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank,
+                                                           target_modules="all-linear"))
+    if method == "ckpt":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if method.startswith("leanbp"):
+        leanbp.stream(model, chunk_size=64, head_chunk_size=32, offload=method == "leanbp_offload")
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    ids = torch.randint(0, config.vocab_size, (2, T))
+    with leanbp.memory.track(model) as mem:
+        training_step(model, ids, hold_outputs)
+    return mem.report
+
+
+@pytest.mark.parametrize("method, hold_outputs, lora_rank", [
+    ("plain", True, None), ("plain", False, None), ("ckpt", True, None), ("ckpt", False, None), ("leanbp", True, None),
+    ("leanbp_offload", True, None), ("ckpt", True, 4), ("leanbp", True, 4)])
+def test_fake_step_predicts_the_measured_bytes_exactly(method, hold_outputs, lora_rank):
+    config = _config()
+    planner = Planner(config, dtype="fp32", batch=2, stream=StreamConfig(chunk_size=64, head_chunk_size=32),
+                      hold_outputs=hold_outputs, lora_rank=lora_rank)
+    assert planner.depths == (2, 3)  # so the 4-layer numbers come from the depth line
+    predicted = planner.step(method, 320)
+    measured = _measured(config, method, 320, hold_outputs, lora_rank)
+    assert (predicted.peak, predicted.params, predicted.grads, predicted.host) == \
+        (measured.peak, measured.params, measured.grads, measured.host)
+
+
+@pytest.fixture(scope="module")
+def planner():
+    """One planner for the tests below, so that they share its fake models and lines."""
+    return Planner(_config(), dtype="bf16", stream=StreamConfig(chunk_size=512, head_chunk_size=1024))
+
+
+@pytest.mark.parametrize("method", ["ckpt", "leanbp_offload"])
+def test_the_phase_lines_predict_a_longer_fake_step(planner, method):
+    lines = planner.lines(method)
+    T = 32768
+    assert lines.valid_from <= T // 8
+    by_lines, probed = planner.peak(method, T), planner.peak(method, T, probe=True)
+    assert not by_lines.probed and probed.probed
+    assert (by_lines.total, by_lines.host, by_lines.phase) == (probed.total, probed.host, probed.phase)
+
+
+def test_longest_sequence_fits_and_one_more_block_does_not(planner):
+    budget = 16 * 2**20
+    for method, optimizer, step in (("ckpt", False, 256), ("leanbp", True, 512)):  # leanbp: whole chunks
+        T, checked = planner.max_seq_len(method, budget, optimizer)
+        assert checked and T > 0 and T % step == 0
+        assert planner.peak(method, T, optimizer, probe=True).total <= budget
+        assert planner.peak(method, T + step, optimizer, probe=True).total > budget
+    assert planner.max_seq_len("leanbp", budget)[0] > 4 * planner.max_seq_len("ckpt", budget)[0]
+
+
+def test_optimizer_state_is_two_fp32_moments_per_parameter(planner):
+    n = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(_config()).parameters())
+    assert planner.trainable_params() == n
+    assert planner.peak("leanbp", 4096, optimizer=True).optimizer == 8 * n
+
+
+# published parameter counts of the presets' models (their model cards), in billions
+PUBLISHED = {"qwen3-0.6b": 0.60, "qwen3-1.7b": 1.72, "qwen3-4b": 4.02, "qwen3-8b": 8.19, "qwen3-14b": 14.77,
+             "qwen3-32b": 32.76, "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55, "mistral-7b": 7.25,
+             "qwen2.5-7b": 7.62, "qwen2.5-32b": 32.76}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_have_the_published_sizes(name):
+    config = load_config(name.upper())  # names are case-insensitive
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in model.parameters()) / 1e9
+    assert params == pytest.approx(PUBLISHED[name], rel=0.01)
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("141 GB") == 141 * 10**9
+    assert parse_bytes("1.5TiB") == int(1.5 * 2**40)
+    assert parse_bytes("4096") == 4096
+    for bad in ("lots", "-1GiB"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+def test_unknown_model_is_a_clear_error():
+    with pytest.raises(FileNotFoundError, match="preset"):
+        load_config("qwen9-1t")
+
+
+def test_cli_plan_writes_table_csv_json_and_plot(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    _config().to_json_file(str(cfg))
+    out = tmp_path / "plan"
+    code = main(["plan", "--model", str(cfg), "--memory", "64MiB", "--reserve", "0", "--dtype", "bf16", "--seq-lens", "1024,8192",
+                 "--methods", "ckpt,leanbp_offload", "--chunk-size", "512", "--head-chunk-size", "1024",
+                 "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "transformers checkpointing" in printed and "leanbp + offload" in printed
+    result = json.loads((out / "plan.json").read_text())
+    assert {p["seq_len"] for p in result["peaks"]} == {1024, 8192}
+    longest = {(r["mode"], r["method"]): r["max_seq_len"] for r in result["longest"]}
+    assert longest[("backprop", "leanbp_offload")] > longest[("backprop", "ckpt")] > 0
+    assert longest[("step", "ckpt")] <= longest[("backprop", "ckpt")]
+    assert {p["optimizer"] > 0 for p in result["peaks"] if p["mode"] == "step"} == {True}
+    assert {p["optimizer"] for p in result["peaks"] if p["mode"] == "backprop"} == {0}
+    for name in ("plan.md", "plan.csv", "plan.png"):
+        assert (out / name).stat().st_size > 0
+    assert main(["plan", "--model", str(cfg), "--memory", "1GiB", "--reserve", "2GiB", "--out", str(out)]) == 2
+
+
+def test_a_fake_step_with_mask_and_position_ids_takes_no_decision_from_values():
+    """Padding, packed documents and labelled rows are read from values in a real step; on fake
+    tensors the engine takes the planner's assumptions instead of failing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = transformers.AutoModelForCausalLM.from_config(_config(layers=2)).train()
+        leanbp.stream(model, chunk_size=64, head_chunk_size=32)
+        ids = torch.zeros(2, 200, dtype=torch.long)
+        out = model(input_ids=ids, attention_mask=torch.ones(2, 200, dtype=torch.long),
+                    position_ids=torch.arange(200).expand(2, -1), labels=ids)
+        out.loss.backward()
+        assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+
+
+def test_the_default_reserve_is_stated_and_left_free_in_every_row(tmp_path, capsys):
+    """Without --reserve the plan holds back the CUDA context, cuBLAS workspaces and 5% for the
+    allocator's fragmentation (80 GiB: 1 + 0.0625 + 4 GiB), says so in the report, and no row it
+    calls fitting eats into it; a toy budget smaller than that reserve is a clear error."""
+    from leanbp.plan import CudaReserve, PlanRequest
+
+    assert PlanRequest(memory=80 * 2**30).reserve == 2**30 + 64 * 2**20 + int(0.05 * 80 * 2**30)
+    cfg = tmp_path / "config.json"
+    _config(layers=2).to_json_file(str(cfg))
+    memory = 2 * 2**30
+    reserve = CudaReserve().total(memory)
+    assert main(["plan", "--model", str(cfg), "--memory", "2GiB", "--methods", "ckpt", "--mode", "backprop",
+                 "--seq-lens", "65536,131072", "--out", str(tmp_path / "plan")]) == 0
+    printed = capsys.readouterr().out
+    assert f"reserve {reserve / 2**30:.1f} GiB (default: CUDA context 1.00 + cuBLAS workspaces 0.06" in printed
+    result = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert result["budget"] == memory - reserve
+    # T = 131072 would fit the whole 2 GiB, not what the reserve leaves: the table says it does not fit
+    assert [p["seq_len"] for p in result["peaks"] if result["budget"] < p["total"] <= memory] == [131072]
+    assert "| 131,072* | 0.0 | 0.0 | 0.0 | 1.0 | 1.0 | - | no |" in printed
+    (longest,) = result["longest"]
+    assert 65536 < longest["max_seq_len"] < 131072
+    with pytest.raises(ValueError, match="default reserve"):
+        PlanRequest(memory=64 * 2**20)
