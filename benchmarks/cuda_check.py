@@ -6,8 +6,8 @@
 1. Exactness, per dtype (fp32, bf16): a streamed model's loss and every parameter gradient against
    plain autograd in the same dtype, both measured against a float64 reference (plain autograd,
    math attention); the streamed error must stay within 1.25x of plain autograd's own error (the
-   bar of `tests/test_families.py`) plus a small floor.
-2. Every mask kind on the real kernels (the cases tests/test_cuda_path.py runs on strict CPU
+   bar of `tests/models/test_families.py`) plus a small floor.
+2. Every mask kind on the real kernels (the cases tests/engine/test_cuda_path.py runs on strict CPU
    stand-ins): sliding window 4096 at T = 6000, batch 2 with left and right padding and prefixes
    of 2182 keys (p % 8 = 6), packed documents, soft-capped attention, GQA; fp32 and bf16. The
    device's backend (flash / memory-efficient kernels) against the plain-PyTorch backend on the
@@ -216,7 +216,7 @@ def offload_batch2(device, small: bool):
 def syncs_per_step(device, small: bool):
     """CUDA syncs of one streamed step with padding / with documents, at 3 and 9 chunks."""
     if device.type != "cuda":
-        return [dict(case=c, skipped="CUDA only (tests/test_cuda_path.py counts host reads on CPU)", ok=True)
+        return [dict(case=c, skipped="CUDA only (tests/engine/test_cuda_path.py counts host reads on CPU)", ok=True)
                 for c in ("padding", "documents")]
     rows = []
     for case in ("padding", "documents"):

@@ -5,7 +5,7 @@ windows), each checked against plain autograd on every parameter gradient.
     python benchmarks/exactness_properties.py --cases 2000 --out benchmarks/results/exactness
 
 Writes summary.json (cases run, failures, worst error, how the cases spread over the options).
-The CI test (tests/test_exact_properties.py) runs 200 cases of the same strategy.
+The CI test (tests/testing/test_exact_properties.py) runs 200 cases of the same strategy.
 """
 
 from __future__ import annotations

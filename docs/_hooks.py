@@ -19,6 +19,8 @@ from pathlib import Path
 
 from mkdocs.structure.files import File
 
+from leanbp._options import flag_of
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks"
 
@@ -46,8 +48,8 @@ def _settings_table(dotted: str, command: str | None = None) -> str:
     for f in dataclasses.fields(cls):
         if "help" not in f.metadata:
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        option = ("--no-" if default is True else "--") + f.name.replace("_", "-")
+        default = f.default
+        option = flag_of(f.name, default)
         commands = [c for c, options in offered.items() if option in options]
         where = f"`{option}` ({', '.join(commands)})" if commands else "(Python only)"
         choices = f.metadata.get("choices")

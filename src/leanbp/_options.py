@@ -18,15 +18,12 @@ from typing import Any, Callable
 _MISSING = dataclasses.MISSING
 
 
-def setting(default: Any = _MISSING, *, help: str, choices: tuple | None = None,
-            parse: Callable[[str], Any] | None = None, metavar: str | None = None,
-            default_factory: Callable[[], Any] | Any = _MISSING):
+def setting(default: Any, *, help: str, choices: tuple | None = None, parse: Callable[[str], Any] | None = None,
+            metavar: str | None = None):
     """A dataclass field with what the command line needs to offer it: ``help``, ``choices``,
     ``parse`` (text -> value; default: the type of the default) and ``metavar``."""
-    metadata = {"help": help, "choices": choices, "parse": parse, "metavar": metavar}
-    if default_factory is not _MISSING:
-        return dataclasses.field(default_factory=default_factory, metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "parse": parse,
+                                                        "metavar": metavar})
 
 
 def flag_of(name: str, default: Any = None) -> str:
@@ -43,11 +40,9 @@ def _field(cls, name: str) -> dataclasses.Field:
 
 
 def _default(f: dataclasses.Field):
-    if f.default is not _MISSING:
-        return f.default
-    if f.default_factory is not _MISSING:
-        return f.default_factory()
-    return None
+    if f.default is _MISSING:
+        raise ValueError(f"setting {f.name} has no default to offer on the command line")
+    return f.default
 
 
 def add_options(parser: argparse.ArgumentParser, cls, names, defaults: dict | None = None) -> None:
@@ -66,17 +61,17 @@ def add_options(parser: argparse.ArgumentParser, cls, names, defaults: dict | No
             continue
         parse = meta["parse"] or (type(default) if default is not None else str)
         shown = "" if default is None else f" (default: {default})"  # (None: the help says what happens)
-        parser.add_argument(flag_of(name), dest=name, type=_named(parse, flag_of(name)), default=default,
+        parser.add_argument(flag_of(name), dest=name, type=_named(parse), default=default,
                             choices=meta["choices"], metavar=meta["metavar"], help=text + shown)
 
 
-def _named(parse: Callable[[str], Any], flag: str) -> Callable[[str], Any]:
-    """``parse``, with a ValueError turned into argparse's message for ``flag``."""
+def _named(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse``, with a ValueError turned into argparse's message (which names the option)."""
     def parsed(text: str):
         try:
             return parse(text)
         except ValueError as e:
-            raise argparse.ArgumentTypeError(f"{flag}: {e}") from None
+            raise argparse.ArgumentTypeError(str(e)) from None
 
     parsed.__name__ = getattr(parse, "__name__", "value")
     return parsed

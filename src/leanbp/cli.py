@@ -6,6 +6,8 @@ its field (``_options.py``): one default, one help text, one validation, in ever
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import os
 import sys
 import warnings
@@ -17,7 +19,7 @@ from .train import NonFiniteError, TrainConfig
 # the StreamConfig settings each command offers
 _STREAM_OPTIONS = {
     "train": ("chunk_size", "head_chunk_size", "chunk_memory", "offload", "attention"),
-    "bench": ("chunk_size", "head_chunk_size", "chunk_memory", "attention"),
+    "bench": ("chunk_size", "head_chunk_size", "attention"),  # (method leanbp_auto: "auto" in its default budget)
     "plan": ("chunk_size", "head_chunk_size"),
     "verify": ("chunk_size", "head_chunk_size", "chunk_memory", "offload", "attention"),
 }
@@ -66,9 +68,17 @@ def _train(args) -> int:
     return 0
 
 
+def _default(cls, name: str):
+    """The default of field ``name`` of the dataclass ``cls`` (its factory's value)."""
+    f = cls.__dataclass_fields__[name]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 def _add_bench(sub):
-    from .bench import BENCH_DTYPES, BENCH_MODELS
+    from .bench import BENCH_DTYPES, BENCH_MODELS, ApproxBenchCase, BenchCase, TrlBenchCase
     from .streaming import METHODS
+
+    trl_lengths = ",".join(f"{k}={':'.join(map(str, v))}" for k, v in _default(TrlBenchCase, "seq_lens").items())
 
     p = sub.add_parser("bench", help="plain autograd vs gradient checkpointing vs leanbp, side by side",
                        description="Runs each method and sequence length in its own process on the bench model "
@@ -80,20 +90,24 @@ def _add_bench(sub):
                         "ReSiLU2 / MS-RMSNorm / both on a Llama-shaped model (batch 4, T 512-2048, full and LoRA); "
                         "trl: TRL's SFT (packed) / DPO / GRPO trainers with checkpointing, checkpointing + leanbp's "
                         "head, and leanbp")
-    p.add_argument("--seq-lens", help="comma-separated sequence lengths (stream: 2048,4096,8192,16384; "
-                                      "approx: 512,1024,2048; trl: per objective, e.g. sft=4096:16384,dpo=8192)")
-    p.add_argument("--timed-steps", type=int, default=3, help="stream and trl suites: steps timed per case (median)")
-    p.add_argument("--methods", default="plain,ckpt,leanbp",
+    p.add_argument("--seq-lens", help="comma-separated sequence lengths (stream: "
+                                      f"{','.join(map(str, _default(BenchCase, 'seq_lens')))}; approx: "
+                                      f"{','.join(map(str, _default(ApproxBenchCase, 'seq_lens')))}; trl: per "
+                                      f"objective, {trl_lengths})")
+    p.add_argument("--timed-steps", type=int, default=_default(BenchCase, "timed_steps"),
+                   help="stream and trl suites: steps timed per case (median)")
+    p.add_argument("--methods", default=",".join(_default(BenchCase, "methods")),
                    help=f"stream suite: comma-separated, from {', '.join(METHODS)} (leanbp_auto: chunk size "
                         '"auto"; leanbp_offload: the hidden states between layers and their gradients in host memory, '
                         "reported in a host column; head: transformers' decoder with leanbp's head)")
-    p.add_argument("--model", default="qwen3", choices=BENCH_MODELS,
+    p.add_argument("--model", default=_default(BenchCase, "model"), choices=BENCH_MODELS,
                    help="stream suite: the bench shape as a Qwen3 (default), Gemma3 (3 sliding-window layers of "
                         "1024 + 1 global) or Qwen3-MoE (8 experts, top 2, load-balancing loss on) model")
-    p.add_argument("--batch", type=int, help="batch size (stream: 1, approx: 4)")
+    p.add_argument("--batch", type=int, help=f"batch size (stream: {_default(BenchCase, 'batch')}, approx: "
+                                             f"{_default(ApproxBenchCase, 'batch')})")
     p.add_argument("--dtype", choices=BENCH_DTYPES,
-                   help="stream suite: fp32 (default) or bf16; approx suite: autocast (default: fp32 parameters, "
-                        "bf16 compute) or fp32")
+                   help=f"stream suite: {_default(BenchCase, 'dtype')} (default) or bf16; approx suite: "
+                        f"{_default(ApproxBenchCase, 'dtype')} (default: fp32 parameters, bf16 compute) or fp32")
     p.add_argument("--device", default="cpu", help="every suite: cpu (default) or cuda")
     add_options(p, StreamConfig, _STREAM_OPTIONS["bench"])
     p.add_argument("--out", default="bench_out", help="folder for bench.csv / bench.json / bench.png")
@@ -128,23 +142,30 @@ def _bench(args) -> int:
 
 
 def _add_plan(sub):
-    from .plan import DEFAULT_SEQ_LENS, PLAN_DTYPES, PRESETS
+    from .memory import GiB
+    from .plan import DEFAULT_SEQ_LENS, PLAN_DTYPES, PRESETS, CudaReserve, PlanRequest
     from .streaming import PLANNED
+
+    reserve = CudaReserve()
 
     p = sub.add_parser("plan", help="peak device memory per method and the longest sequence that fits, without the GPU",
                        description="Runs the real training step (transformers, its gradient checkpointing, leanbp, "
                                    "leanbp with host offload) on fake tensors and reports the peak device memory at "
                                    "each T (weights, gradients, optimizer state, activations) and the longest T that "
                                    "fits the memory. Writes plan.md, plan.csv, plan.json and plan.png to --out.")
-    p.add_argument("--model", default="qwen3-8b",
-                   help=f"a preset ({', '.join(PRESETS)}), a model directory or a config.json (default qwen3-8b)")
-    p.add_argument("--memory", default="80GiB", help="the device's memory, e.g. 80GiB, 141GB (default 80GiB)")
+    p.add_argument("--model", default=_default(PlanRequest, "model"),
+                   help=f"a preset ({', '.join(PRESETS)}), a model directory or a config.json (default "
+                        f"{_default(PlanRequest, 'model')})")
+    memory = f"{_default(PlanRequest, 'memory') / GiB:g}GiB"
+    p.add_argument("--memory", default=memory, help=f"the device's memory, e.g. 80GiB, 141GB (default {memory})")
     p.add_argument("--reserve", default="auto",
                    help="memory held back for what the plan does not model: CUDA context, kernel workspaces, "
-                        "allocator fragmentation (default auto: 1 GiB + 64 MiB + 5%% of --memory, the report says "
-                        "why)")
-    p.add_argument("--dtype", choices=PLAN_DTYPES, default="bf16", help="parameters and gradients")
-    p.add_argument("--batch", type=int, default=1)
+                        f"allocator fragmentation (default auto: {reserve.context / GiB:g} GiB + "
+                        f"{reserve.workspaces / 2**20:g} MiB + {100 * reserve.fragmentation:g}%% of --memory, the report "
+                        "says why)")
+    p.add_argument("--dtype", choices=PLAN_DTYPES, default=_default(PlanRequest, "dtype"),
+                   help="parameters and gradients")
+    p.add_argument("--batch", type=int, default=_default(PlanRequest, "batch"))
     p.add_argument("--seq-lens", help=f"comma-separated T to report (default {','.join(map(str, DEFAULT_SEQ_LENS))})")
     p.add_argument("--methods", default=",".join(PLANNED), help=f"comma-separated, from {', '.join(PLANNED)}")
     p.add_argument("--mode", choices=["backprop", "step", "both"], default="both",
@@ -179,7 +200,7 @@ def _plan(args) -> int:
 
 
 def _add_verify(sub):
-    from .testing import BOUNDARY_CHUNKINGS
+    from .testing import BOUNDARY_CHUNKINGS, verify
 
     small = " and ".join(f"chunk {c} / head chunk {h}" for c, h in BOUNDARY_CHUNKINGS)
     p = sub.add_parser("verify", help="float64 gradient check of a streamed model against plain autograd",
@@ -188,8 +209,9 @@ def _add_verify(sub):
                                    "and prints the max relative gradient error per parameter group, at the chunk "
                                    f"sizes given and at {small} (rows that cut the sequence in many places).")
     p.add_argument("--model", help="local model directory or config.json (default: built-in model)")
-    p.add_argument("--seq-len", type=int, default=96)
-    p.add_argument("--batch", type=int, default=3)
+    defaults = inspect.signature(verify).parameters
+    p.add_argument("--seq-len", type=int, default=defaults["seq_len"].default)
+    p.add_argument("--batch", type=int, default=defaults["batch"].default)
     add_options(p, StreamConfig, _STREAM_OPTIONS["verify"])
     p.add_argument("--tol", type=float, default=1e-12, help="fail (exit 1) above this relative error")
 

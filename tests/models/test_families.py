@@ -40,6 +40,19 @@ def test_every_registered_family_builds_its_tiny_model():
         assert model.config.model_type == family and adapter_for(model).model is model
 
 
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_every_adapter_is_what_the_engine_asks_for(family):
+    """The engine states what it needs of a family as its own protocol; every registered adapter
+    implements it (and is looked up by model_type, nothing else)."""
+    from leanbp.engine import DecoderFamily
+
+    adapter = adapter_for(tiny_model(family))
+    assert isinstance(adapter, DecoderFamily)
+    missing = [name for name in ("key_value", "chunk_forward", "position_embeddings", "row_working_set")
+               if getattr(type(adapter), name) is getattr(DecoderFamily, name, None)]
+    assert missing == []
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("padding", ["left", "right"])
 @pytest.mark.parametrize("family", ALL_FAMILIES)

@@ -7,14 +7,14 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import InitVar, asdict, dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
 from ..approx import VARIANTS
 from ..memory import MiB
-from ..streaming import METHODS, StreamConfig
+from ..streaming import METHODS, StreamConfig, old_chunk_sizes
 from ._machine import machine
 from ._models import BENCH_MODELS
 from ._trl_case import TRL_METHODS, TRL_OBJECTIVES
@@ -52,8 +52,12 @@ class BenchCase:
     stream: StreamConfig = field(default_factory=StreamConfig)  # the streamed methods' settings
     timed_steps: int = 3  # step time: the median of this many steps after the measured one
     timeout_s: int = 3600
+    # deprecated: the chunk sizes before ``stream`` carried them
+    chunk_size: InitVar[int | str | None] = None
+    head_chunk_size: InitVar[int | None] = None
 
-    def __post_init__(self):
+    def __post_init__(self, chunk_size, head_chunk_size):
+        self.stream = old_chunk_sizes(self, self.stream, chunk_size, head_chunk_size)
         _check_list("seq_lens", self.seq_lens)
         _check_list("methods", self.methods, tuple(METHODS))
         _check_list("model", [self.model], BENCH_MODELS)
@@ -169,8 +173,12 @@ class TrlBenchCase:
     stream: StreamConfig = field(default_factory=StreamConfig)  # leanbp's settings (its head's, for ckpt_head)
     device: str = "cpu"  # cpu, or cuda: the trainers' accelerator places the model
     timeout_s: int = 7200
+    # deprecated: the chunk sizes before ``stream`` carried them
+    chunk_size: InitVar[int | str | None] = None
+    head_chunk_size: InitVar[int | None] = None
 
-    def __post_init__(self):
+    def __post_init__(self, chunk_size, head_chunk_size):
+        self.stream = old_chunk_sizes(self, self.stream, chunk_size, head_chunk_size)
         _check_list("objectives", list(self.seq_lens), TRL_OBJECTIVES)
         for objective, lengths in self.seq_lens.items():
             _check_list(f"seq_lens[{objective}]", lengths)

@@ -14,11 +14,11 @@ set of the fixed default chunk (``DEFAULT_ROWS``, 1024 rows, also ``StreamConfig
 without ``chunk_memory`` "auto" picks at least min(1024, T) rows, and more only for sequences long
 enough that one layer input holds more, and the activation memory stays linear in T.
 
-The bytes per row are the family adapter's upper bound (``FamilyAdapter.row_working_set``),
+The bytes per row are the family adapter's upper bound (``DecoderFamily.row_working_set``),
 counted at least at 4 bytes per element (norms, softmax and accumulations upcast to fp32). Off the
 CPU two-block attention path, chunk attention is a single SDPA call with a (c x kv) mask, which may
 build the (B, Hq, c, kv) scores: they are counted too (``row_bytes``).
-``tests/test_chunking.py`` checks the bound against measured working sets.
+``tests/engine/test_chunking.py`` checks the bound against measured working sets.
 """
 
 from __future__ import annotations

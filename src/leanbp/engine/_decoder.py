@@ -82,7 +82,7 @@ def decoder_layers(adapter: DecoderFamily, input_ids=None, inputs_embeds=None, a
         position_ids = position_ids.to(hidden.device)
         if attention_mask is None:
             documents = Documents.from_position_ids(position_ids, B)
-    rope = adapter.position_embeddings(hidden, position_ids)  # per layer (see ``Rope``: per chunk when it can)
+    rope = adapter.position_embeddings(hidden, position_ids)  # per layer (``RotaryRows``: per chunk when it can)
     key_keep = KeyKeep.from_attention_mask(attention_mask, hidden.device)  # (one host read per forward)
     stats = RouterStats(None if key_keep is None else key_keep.mask, B, T) if router_stats else None
     autocast = AutocastState(hidden.device.type)

@@ -19,12 +19,16 @@ from __future__ import annotations
 from ..streaming import StreamConfig, causal_lm_of, resolve_config, stream
 
 
-def stream_trainer(trainer, config: StreamConfig | None = None, **overrides):
+# the positional parameters of stream_trainer() before StreamConfig carried them (deprecated)
+_OLD_POSITIONAL = ("chunk_size", "head_chunk_size", "chunk_memory", "offload")
+
+
+def stream_trainer(trainer, config: StreamConfig | None = None, *old_positional, **overrides):
     """Stream ``trainer.model`` and ``trainer.ref_model`` (when the trainer has a separate one) with
     ``config`` and ``overrides`` (as ``leanbp.stream``), and switch the trainer's activation
     checkpointing off. With ``offload``, a reference model (which builds no graph) keeps nothing
     on the host. Returns the trainer."""
-    config = resolve_config(config, overrides)
+    config = resolve_config(config, overrides, old_positional, _OLD_POSITIONAL)
     for name in ("activation_checkpointing", "gradient_checkpointing"):  # transformers 5 keeps both fields
         if getattr(trainer.args, name, False):
             setattr(trainer.args, name, False)

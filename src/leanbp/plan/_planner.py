@@ -6,7 +6,7 @@ Every number comes from running the real training step (``model(input_ids, label
 tensors (``FakeTensorMode``: shapes and dtypes, no values, no memory), measured by the same live-bytes
 tracker as ``leanbp.memory.track``. So the plan follows the code: change the engine and the plan
 changes with it. Two regularities of a decoder stack make it fast (the length one is checked on
-every run, both in ``tests/test_plan.py``):
+every run, both in ``tests/plan/test_plan.py``):
 
 * Depth: a stack of identical layers adds the same bytes per layer (its weights, gradients and what
   each method keeps per layer), so the step is run at two small depths (2 and 3 layers: the first
@@ -31,14 +31,15 @@ from __future__ import annotations
 import copy
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import torch
 
 from .._dtypes import dtype_named
 from ..engine import has_values
 from ..memory import MemoryReport, track
-from ..streaming import PLANNED, StreamConfig, apply_method, method as method_named
+from ..streaming import PLANNED, StreamConfig, apply_method, old_chunk_sizes
+from ..streaming import method as method_named
 
 # the dtypes of the weights and gradients a plan is made for
 PLAN_DTYPES = ("bf16", "fp16", "fp32")
@@ -179,8 +180,12 @@ class Planner:
     _steps: dict = field(default_factory=dict, repr=False)  # (method, T) -> the fake step's report
     _trainable: int | None = field(default=None, repr=False)
     _mode: object = field(default=None, repr=False)
+    # deprecated: the chunk sizes before ``stream`` carried them
+    chunk_size: InitVar[int | None] = None
+    head_chunk_size: InitVar[int | None] = None
 
-    def __post_init__(self):
+    def __post_init__(self, chunk_size, head_chunk_size):
+        self.stream = old_chunk_sizes(self, self.stream, chunk_size, head_chunk_size)
         dtype_named(self.dtype, PLAN_DTYPES)
         for name in ("batch", "lora_rank"):
             value = getattr(self, name)
@@ -222,10 +227,6 @@ class Planner:
                         p.grad = torch.zeros_like(p)
             self._models[depth] = model
         return self._models[depth]
-
-    @property
-    def chunk_size(self) -> int:
-        return self.stream.chunk_size
 
     def _step_at_depth(self, method: str, T: int, depth: int) -> MemoryReport:
         model = apply_method(self._model(depth), method, self.stream)
@@ -281,7 +282,7 @@ class Planner:
         put every phase on one line, to the byte)."""
         if method in self._lines:
             return self._lines[method]
-        T, probes = 4 * self.chunk_size if _chunked(method) else 1024, []
+        T, probes = 4 * self.stream.chunk_size if _chunked(method) else 1024, []
         while True:
             report = self.step(method, T)
             probes.append((T, report))
@@ -320,7 +321,7 @@ class Planner:
         hold at whole chunks), whose step fits ``budget`` bytes; whether a fake step at that T
         confirmed it). 0 when not even the model's resident bytes fit."""
         if _chunked(method):
-            multiple = math.lcm(multiple, self.chunk_size)
+            multiple = math.lcm(multiple, self.stream.chunk_size)
         lines = self.lines(method)
         optimizer_bytes = OPTIMIZER_BYTES_PER_PARAM * self.trainable_params() if optimizer else 0
         # the lines are the step's peak with weights and gradients; the optimizer's states sit beside it
@@ -336,7 +337,7 @@ class Planner:
 
     def _affordable(self, method: str, T: int) -> bool:
         """Whether a fake step at T is quick enough to run (at most ``verify_limit`` layer chunks)."""
-        return not _chunked(method) or -(-T // self.chunk_size) <= self.verify_limit
+        return not _chunked(method) or -(-T // self.stream.chunk_size) <= self.verify_limit
 
     def _bisect(self, method: str, budget: int, optimizer: bool, multiple: int, lo: int, hi: int) -> int:
         """The longest multiple of ``multiple`` in [lo, hi) that fits, by fake steps (``lo`` fits)."""

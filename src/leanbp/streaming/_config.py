@@ -6,7 +6,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 
 from .._options import setting
 from ..engine import ATTENTION_MODES, AUTO, DEFAULT_ROWS
@@ -35,7 +36,7 @@ class StreamConfig:
         DEFAULT_ROWS, parse=parse_chunk_size, metavar="ROWS|auto",
         help='rows of the sequence a decoder layer recomputes and backpropagates at once, or "auto": the largest '
              "multiple of 64 rows whose working set fits the chunk memory (default budget: one layer input, and at "
-             "least min(1024, T) rows); leanbp.chunk_size_used(model) says what the last call chose")
+             f"least min({DEFAULT_ROWS}, T) rows)")
     head_chunk_size: int = setting(256, metavar="ROWS",
                                    help="labelled rows whose logits (rows x vocabulary) exist at once in the LM head")
     layers: bool = setting(True, help="stream the decoder layers (StreamBP); off: the model's own decoder runs "
@@ -67,3 +68,14 @@ class StreamConfig:
             raise ValueError("offload moves the streamed layers' inputs to the host; it needs layers=True")
         if self.attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {self.attention!r}")
+
+
+def old_chunk_sizes(owner, config: StreamConfig, chunk_size=None, head_chunk_size=None) -> StreamConfig:
+    """``config`` with the chunk sizes that ``owner``'s class took as arguments of its own before its
+    ``StreamConfig`` carried them (deprecated; they win over the config, as they did)."""
+    given = {k: v for k, v in (("chunk_size", chunk_size), ("head_chunk_size", head_chunk_size)) if v is not None}
+    if not given:
+        return config
+    warnings.warn(f"{type(owner).__name__}({', '.join(f'{k}=...' for k in given)}) is deprecated: pass "
+                  "stream=leanbp.StreamConfig(...)", DeprecationWarning, stacklevel=4)
+    return replace(config, **given)

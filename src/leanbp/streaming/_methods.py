@@ -17,7 +17,7 @@ class Method:
     label: str
     checkpointing: bool = False  # transformers' gradient (activation) checkpointing, non-reentrant
     streamed: bool = False  # leanbp.stream with the run's StreamConfig and ``overrides``
-    overrides: dict = field(default_factory=dict)
+    overrides: dict = field(default_factory=dict, hash=False)
     # leanbp plan predicts it: with a fixed chunk size every buffer of the step is affine in T
     planned: bool = True
 

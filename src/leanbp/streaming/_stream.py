@@ -49,7 +49,11 @@ def chunk_size_used(model: nn.Module) -> int | None:
     return state.last_chunk_rows
 
 
-def stream(model: nn.Module, config: StreamConfig | None = None, **overrides) -> nn.Module:
+# the positional parameters of stream() before StreamConfig carried them (deprecated)
+_OLD_POSITIONAL = ("chunk_size", "head_chunk_size", "layers", "eval_logits", "chunk_memory", "offload")
+
+
+def stream(model: nn.Module, config: StreamConfig | None = None, *old_positional, **overrides) -> nn.Module:
     """Make the decoder of ``model`` run exact StreamBP whenever it builds a graph.
 
     ``model`` is a transformers causal LM, or a PEFT / DDP / accelerate wrapper of one, before or
@@ -58,7 +62,7 @@ def stream(model: nn.Module, config: StreamConfig | None = None, **overrides) ->
     Calls with ``labels`` return ``loss`` (and ``logits=None`` in training); TRL's fused-head calls
     return per-token log-probs; both are chunked. Returns ``model``. Undo with :func:`unstream`.
     """
-    config = resolve_config(config, overrides)
+    config = resolve_config(config, overrides, old_positional, _OLD_POSITIONAL)
     lm = causal_lm_of(model)
     if state_of(lm) is not None:
         if installed(lm, "forward", lm_forward):
@@ -88,16 +92,25 @@ def stream(model: nn.Module, config: StreamConfig | None = None, **overrides) ->
     return model
 
 
-def resolve_config(config, overrides: dict) -> StreamConfig:
-    """``config`` with ``overrides`` applied (and validated). A number or "auto" in place of the
-    config is the ``chunk_size`` of the earlier positional call ``stream(model, 2048)`` (deprecated)."""
+def resolve_config(config, overrides: dict, old_positional: tuple = (), old_names: tuple = ()) -> StreamConfig:
+    """``config`` with ``overrides`` applied (and validated). Settings passed positionally, as the
+    calls before ``StreamConfig`` took them (``stream(model, 2048, 512)``: ``old_names`` in order,
+    a number or "auto" where the config goes first), still work and warn that they are deprecated."""
+    if isinstance(config, StreamConfig) and old_positional:
+        raise TypeError("settings beside a StreamConfig go by name (chunk_size=...)")
     if config is not None and not isinstance(config, StreamConfig):
-        if isinstance(config, (int, str)) and "chunk_size" not in overrides:
-            warnings.warn("stream(model, chunk_size) positionally is deprecated: pass chunk_size=... or a "
-                          "StreamConfig", DeprecationWarning, stacklevel=3)
-            config, overrides = None, {"chunk_size": config, **overrides}
-        else:
-            raise TypeError(f"config must be a leanbp.StreamConfig, got {type(config).__name__}")
+        old_positional = (config, *old_positional)
+        config = None
+    if old_positional:
+        if len(old_positional) > len(old_names) or not isinstance(old_positional[0], (int, str)):
+            raise TypeError(f"config must be a leanbp.StreamConfig, got {type(old_positional[0]).__name__}")
+        named = dict(zip(old_names, old_positional))
+        twice = sorted(set(named) & set(overrides))
+        if twice:
+            raise TypeError(f"{twice} given both positionally and by name")
+        warnings.warn(f"passing {', '.join(named)} positionally is deprecated: pass them by name or in a "
+                      "leanbp.StreamConfig", DeprecationWarning, stacklevel=3)
+        overrides = {**named, **overrides}
     config = config or StreamConfig()
     unknown = set(overrides) - set(StreamConfig.__dataclass_fields__)
     if unknown:

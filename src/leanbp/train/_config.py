@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .._dtypes import dtype_named
 from .._options import setting
 from ..approx import VARIANTS, variant_settings
 from ..streaming import StreamConfig
@@ -67,8 +68,7 @@ class TrainConfig:
                                "(where ddp is the default)")
 
     def __post_init__(self):
-        if self.dtype not in TRAIN_DTYPES:
-            raise ValueError(f"dtype must be one of {list(TRAIN_DTYPES)}, got {self.dtype!r}")
+        dtype_named(self.dtype, TRAIN_DTYPES)
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
