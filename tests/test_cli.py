@@ -293,13 +293,17 @@ def test_every_stream_setting_reads_the_same_in_every_command():
 
 
 def test_old_call_forms_keep_working_and_say_so():
-    """Renamed names keep a deprecated alias: stream(model, rows) positionally, LEANBP_ATTENTION,
-    leanbp.engine.stream and leanbp.memory.Planner."""
+    """Renamed names keep a deprecated alias: settings passed positionally to stream() and
+    stream_trainer(), LEANBP_ATTENTION, leanbp.engine.stream, leanbp.memory.Planner, and the chunk
+    sizes as arguments of Planner and the bench cases."""
     import os
+    import types
 
     import leanbp
     import leanbp.engine
     import leanbp.memory
+    from leanbp.bench import BenchCase
+    from leanbp.integrations.trl import stream_trainer
     from leanbp.plan import Planner
 
     model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3Config(
@@ -320,7 +324,22 @@ def test_old_call_forms_keep_working_and_say_so():
     assert model._leanbp_stream.config.attention == "mask"
     model(input_ids=ids, labels=ids).loss.backward()  # the masked single-call path runs
     leanbp.unstream(model)
+    with pytest.warns(DeprecationWarning, match="positionally"):
+        leanbp.stream(model, 7, 5)  # chunk_size, head_chunk_size: the old signature's order
+    assert model._leanbp_stream.config.head_chunk_size == 5
+    leanbp.unstream(model)
+    with pytest.raises(TypeError, match="by name"):
+        leanbp.stream(model, leanbp.StreamConfig(), 5)
+    trainer = types.SimpleNamespace(model=model, args=types.SimpleNamespace(gradient_checkpointing=False))
+    with pytest.warns(DeprecationWarning, match="positionally"):
+        stream_trainer(trainer, 9, 4)
+    assert (model._leanbp_stream.config.chunk_size, model._leanbp_stream.config.head_chunk_size) == (9, 4)
+    leanbp.unstream(model)
     with pytest.warns(DeprecationWarning, match="leanbp.streaming.stream"):
         assert leanbp.engine.stream is leanbp.stream
     with pytest.warns(DeprecationWarning, match="leanbp.plan.Planner"):
         assert leanbp.memory.Planner is Planner
+    with pytest.warns(DeprecationWarning, match="stream=leanbp.StreamConfig"):
+        assert Planner(model.config, chunk_size=64).stream.chunk_size == 64
+    with pytest.warns(DeprecationWarning, match="stream=leanbp.StreamConfig"):
+        assert BenchCase(head_chunk_size=32).stream.head_chunk_size == 32
