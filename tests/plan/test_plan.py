@@ -184,3 +184,11 @@ def test_the_default_reserve_is_stated_and_left_free_in_every_row(tmp_path, caps
     assert 65536 < longest["max_seq_len"] < 131072
     with pytest.raises(ValueError, match="default reserve"):
         PlanRequest(memory=64 * 2**20)
+
+
+def test_a_plan_needs_a_fixed_chunk_size():
+    """With "auto" the chunk grows with T, which the phases' lines in T do not follow: a clear error,
+    also on the command line."""
+    with pytest.raises(ValueError, match="fixed chunk size"):
+        Planner(_config(), stream=StreamConfig(chunk_size="auto"))
+    assert main(["plan", "--model", "qwen3-0.6b", "--chunk-size", "auto"]) == 2
