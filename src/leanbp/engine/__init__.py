@@ -40,19 +40,3 @@ __all__ = [
     "has_values", "is_routed", "key_start", "pick_chunk_rows", "row_bytes", "rowwise", "shift_labels", "token_stats",
     "trainable", "unroute", "uses_two_block_attention",
 ]
-
-_MOVED_TO_STREAMING = ("StreamConfig", "StreamWarning", "chunk_size_used", "is_streamed", "stream", "token_log_probs",
-                       "unstream")
-
-
-def __getattr__(name: str):
-    """Deprecated: the public switch moved to ``leanbp.streaming`` (``leanbp.stream`` is unchanged)."""
-    if name in _MOVED_TO_STREAMING:
-        import warnings
-
-        from .. import streaming
-
-        warnings.warn(f"leanbp.engine.{name} moved to leanbp.streaming.{name} (or leanbp.{name})", DeprecationWarning,
-                      stacklevel=2)
-        return getattr(streaming, name)
-    raise AttributeError(f"module 'leanbp.engine' has no attribute {name!r}")

@@ -8,18 +8,3 @@ from ._tracker import MemoryReport, count_host_storage, host_allocations, in_pha
 
 __all__ = ["GiB", "MemoryReport", "MiB", "count_host_storage", "host_allocations", "in_phase", "parse_bytes", "phase",
            "track"]
-
-_MOVED_TO_PLAN = ("PRESETS", "Planner", "training_step")
-
-
-def __getattr__(name: str):
-    """Deprecated: the planner moved to ``leanbp.plan`` (it drives the engine, which this package
-    serves)."""
-    if name in _MOVED_TO_PLAN:
-        import warnings
-
-        from .. import plan
-
-        warnings.warn(f"leanbp.memory.{name} moved to leanbp.plan.{name}", DeprecationWarning, stacklevel=2)
-        return getattr(plan, name)
-    raise AttributeError(f"module 'leanbp.memory' has no attribute {name!r}")
