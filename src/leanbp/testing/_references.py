@@ -157,14 +157,29 @@ def streamed_vs_plain(model: nn.Module, labels: torch.Tensor, inputs: dict, stre
     Returns (reference model, reference loss, streamed loss); gradients are left on both models.
     ``ref_inputs`` lets the reference take its own leaf tensors (to compare input gradients)."""
     reference = copy.deepcopy(model)
-    with full_precision_norms(reference, model):
-        ref_loss = reference_causal_lm_loss(reference, labels, num_items_in_batch=num_items_in_batch,
-                                            **(ref_inputs if ref_inputs is not None else inputs))
-        ref_loss.backward()
+    ref_loss = plain_step(reference, labels, ref_inputs if ref_inputs is not None else inputs, num_items_in_batch)
+    loss = streamed_step(model, labels, inputs, stream_kwargs, num_items_in_batch, stream_target)
+    return reference, ref_loss, loss
+
+
+def plain_step(model: nn.Module, labels: torch.Tensor, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
+    """The reference half of ``streamed_vs_plain``: ``model``'s loss with plain autograd, float64
+    kept in float64, backpropagated (the gradients are left on ``model``)."""
+    with full_precision_norms(model):
+        loss = reference_causal_lm_loss(model, labels, num_items_in_batch=num_items_in_batch, **inputs)
+        loss.backward()
+    return loss
+
+
+def streamed_step(model: nn.Module, labels: torch.Tensor, inputs: dict, stream_kwargs: dict | None = None,
+                  num_items_in_batch=None, stream_target: nn.Module | None = None) -> torch.Tensor:
+    """The streamed half of ``streamed_vs_plain``: ``model`` streamed (``stream_target``, default
+    the model itself) with ``stream_kwargs``, its loss backpropagated (the gradients are left on it)."""
+    with full_precision_norms(model):
         stream(stream_target if stream_target is not None else model, **(stream_kwargs or {}))
         loss = model(labels=labels, num_items_in_batch=num_items_in_batch, **inputs).loss
         loss.backward()
-    return reference, ref_loss, loss
+    return loss
 
 
 def relative_errors(reference: nn.Module, candidate: nn.Module, floor: float = 1e-2) -> dict[str, float]:

@@ -15,7 +15,7 @@ import torch
 
 from ..engine import IGNORE_INDEX
 from ..streaming import StreamConfig
-from ._references import relative_errors, streamed_vs_plain
+from ._references import plain_step, relative_errors, streamed_step
 
 # (chunk_size, head_chunk_size) that divide no sequence length evenly, checked beside the user's
 BOUNDARY_CHUNKINGS = ((17, 13),)
@@ -59,14 +59,16 @@ def verify(model, seq_len: int = 96, batch: int = 3, config: StreamConfig | None
         mask[b, : (b * 7) % max(1, seq_len // 3)] = 0  # left padding of different lengths
     labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
     labels[:, : seq_len // 4 + 3] = IGNORE_INDEX  # a prompt whose end falls inside a chunk
+    inputs = dict(input_ids=ids, attention_mask=mask)
+    reference = copy.deepcopy(model)  # one plain step serves every chunking
+    ref_loss = plain_step(reference, labels, inputs)
     chunkings = list(dict.fromkeys([(config.chunk_size, config.head_chunk_size), *BOUNDARY_CHUNKINGS]))
     results = []
     for chunk_size, head_chunk_size in chunkings:
         candidate = copy.deepcopy(model)  # (each chunking streams its own copy; gradients start at none)
         settings = {**vars(config), "chunk_size": chunk_size, "head_chunk_size": head_chunk_size,
                     "chunk_memory": config.chunk_memory if chunk_size == config.chunk_size else None}
-        reference, ref_loss, loss = streamed_vs_plain(candidate, labels, dict(input_ids=ids, attention_mask=mask),
-                                                      settings)
+        loss = streamed_step(candidate, labels, inputs, settings)
         params = relative_errors(reference, candidate)
         groups: dict[str, float] = {}
         for name, err in params.items():
