@@ -20,6 +20,7 @@ from pathlib import Path
 from mkdocs.structure.files import File
 
 from leanbp._options import flag_of
+from leanbp.cli import options_by_command
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks"
@@ -43,7 +44,7 @@ def _settings_table(dotted: str, command: str | None = None) -> str:
     ``command``, for a config that is one command's)."""
     module, _, name = dotted.rpartition(".")
     cls = getattr(importlib.import_module(module), name)
-    offered = {c: o for c, o in _options_by_command().items() if command in (None, c)}
+    offered = {c: o for c, o in options_by_command().items() if command in (None, c)}
     rows = ["| setting | default | command-line option | what it does |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
         if "help" not in f.metadata:
@@ -56,16 +57,6 @@ def _settings_table(dotted: str, command: str | None = None) -> str:
         text = f.metadata["help"] + (f" (one of {', '.join(map(str, choices))})" if choices else "")
         rows.append(f"| `{f.name}` | `{default!r}` | {where} | {text.replace('|', '&#124;')} |")
     return "\n".join(rows)
-
-
-def _options_by_command() -> dict[str, set[str]]:
-    """{command: its option strings}, from the command line itself."""
-    import argparse
-
-    from leanbp.cli import parser
-
-    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return {name: {s for action in p._actions for s in action.option_strings} for name, p in sub.choices.items()}
 
 
 def _floors_table() -> str:

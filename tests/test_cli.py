@@ -268,18 +268,15 @@ def test_every_bench_suite_runs_its_cases_on_the_device_asked_for(tmp_path, monk
 def test_every_stream_setting_reads_the_same_in_every_command():
     """A StreamConfig setting offered by several commands has one default and one help text, built
     from its field; the ones every command offers are the chunk sizes."""
-    import argparse
     import dataclasses
 
     from leanbp import StreamConfig
-    from leanbp.cli import parser
+    from leanbp.cli import options_by_command
 
-    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
     seen = {}  # option -> [(command, default, help)]
-    for command, p in sub.choices.items():
-        for action in p._actions:
-            for option in action.option_strings:
-                seen.setdefault(option, []).append((command, action.default, action.help))
+    for command, options in options_by_command().items():
+        for option, action in options.items():
+            seen.setdefault(option, []).append((command, action.default, action.help))
     fields = {f.name: f for f in dataclasses.fields(StreamConfig)}
     for option in ("--chunk-size", "--head-chunk-size"):
         assert [c for c, _, _ in seen[option]] == ["train", "bench", "plan", "verify"]

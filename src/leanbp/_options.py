@@ -32,28 +32,27 @@ def flag_of(name: str, default: Any = None) -> str:
     return f"--no-{option}" if default is True else f"--{option}"
 
 
-def _field(cls, name: str) -> dataclasses.Field:
-    for f in dataclasses.fields(cls):
-        if f.name == name:
-            return f
-    raise KeyError(f"{cls.__name__} has no setting {name!r}")
-
-
-def _default(f: dataclasses.Field):
-    if f.default is _MISSING:
-        raise ValueError(f"setting {f.name} has no default to offer on the command line")
-    return f.default
+def field_default(cls, name: str):
+    """The default of field ``name`` of the dataclass ``cls`` (its factory's value for a list or a
+    config); an error for a field without one."""
+    f = cls.__dataclass_fields__.get(name)
+    if f is None:
+        raise KeyError(f"{cls.__name__} has no setting {name!r}")
+    if f.default is not _MISSING:
+        return f.default
+    if f.default_factory is not _MISSING:
+        return f.default_factory()
+    raise ValueError(f"{cls.__name__}.{name} has no default to offer on the command line")
 
 
 def add_options(parser: argparse.ArgumentParser, cls, names, defaults: dict | None = None) -> None:
     """Add an option for each field ``names`` of the dataclass ``cls``; ``defaults`` replaces a
     field's default for this command (the help then shows that one)."""
     for name in names:
-        f = _field(cls, name)
-        meta = f.metadata
+        meta = cls.__dataclass_fields__[name].metadata if name in cls.__dataclass_fields__ else {}
         if "help" not in meta:
             raise KeyError(f"{cls.__name__}.{name} is not declared with setting(...)")
-        default = (defaults or {}).get(name, _default(f))
+        default = (defaults or {}).get(name, field_default(cls, name))
         text = meta["help"].replace("%", "%%")
         if isinstance(default, bool):
             parser.add_argument(flag_of(name, default), dest=name, action="store_false" if default else "store_true",

@@ -6,13 +6,12 @@ its field (``_options.py``): one default, one help text, one validation, in ever
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import inspect
 import os
 import sys
 import warnings
 
-from ._options import add_options, values
+from ._options import add_options, field_default as _default, values
 from .streaming import StreamConfig
 from .train import NonFiniteError, TrainConfig
 
@@ -66,12 +65,6 @@ def _train(args) -> int:
         print(f"{cfg.objective} step {state['step']}: loss {losses[0]:.4f} -> {losses[-1]:.4f}; "
               f"{final} in {cfg.out}")
     return 0
-
-
-def _default(cls, name: str):
-    """The default of field ``name`` of the dataclass ``cls`` (its factory's value)."""
-    f = cls.__dataclass_fields__[name]
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def _add_bench(sub):
@@ -161,8 +154,8 @@ def _add_plan(sub):
     p.add_argument("--reserve", default="auto",
                    help="memory held back for what the plan does not model: CUDA context, kernel workspaces, "
                         f"allocator fragmentation (default auto: {reserve.context / GiB:g} GiB + "
-                        f"{reserve.workspaces / 2**20:g} MiB + {100 * reserve.fragmentation:g}%% of --memory, the report "
-                        "says why)")
+                        f"{reserve.workspaces / 2**20:g} MiB + {100 * reserve.fragmentation:g}%% of --memory, the "
+                        "report says why)")
     p.add_argument("--dtype", choices=PLAN_DTYPES, default=_default(PlanRequest, "dtype"),
                    help="parameters and gradients")
     p.add_argument("--batch", type=int, default=_default(PlanRequest, "batch"))
@@ -258,6 +251,14 @@ def _per_objective(text: str) -> dict[str, list[int]]:
             raise ValueError(f"--seq-lens for the trl suite looks like sft=4096:16384,dpo=8192; got {part!r}")
         out[name] = _ints(lengths, "--seq-lens", ":")
     return out
+
+
+def options_by_command() -> dict[str, dict[str, argparse.Action]]:
+    """{command: {option string: its argparse action}} of the whole command line (what the docs'
+    settings tables and the tests read)."""
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {name: {s: action for action in p._actions for s in action.option_strings}
+            for name, p in sub.choices.items()}
 
 
 def parser() -> argparse.ArgumentParser:
