@@ -90,9 +90,17 @@ def partition_for_zero3(model: nn.Module, config: dict) -> None:
                         dtype=dtype if dtype in (torch.float16, torch.bfloat16) else None)
 
 
+def torchrun_command(nproc: int, module: str, args) -> list[str]:
+    """The command that runs ``python -m <module> <args>`` in ``nproc`` processes on this machine
+    (torchrun, standalone rendezvous)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module,
+            *args]
+
+
 def _hooked_by_zero3(module: nn.Module) -> bool:
     # ZeRO-3's parameter offload numbers every module it hooks; DDP, FSDP and ZeRO-1/2 don't
     return hasattr(module, "ds_id")
 
 
-__all__ = ["ZERO3_DTYPES", "check_layers", "gathers_per_call", "partition_for_zero3", "prepare_for_engines"]
+__all__ = ["ZERO3_DTYPES", "check_layers", "gathers_per_call", "partition_for_zero3", "prepare_for_engines",
+           "torchrun_command"]

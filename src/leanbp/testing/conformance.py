@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..approx import approx
-from ..distributed import partition_for_zero3
+from ..distributed import partition_for_zero3, torchrun_command
 from ..engine import IGNORE_INDEX, is_routed
 from ..models import DecoderAdapter
 from ..streaming import stream
@@ -330,10 +330,8 @@ def run_conformance(out, engines, nproc: int = 2, env: dict | None = None, timeo
     import subprocess
 
     env = {**(env if env is not None else os.environ), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-         "-m", __name__, "--out", str(out), "--engines", ",".join(engines)],
-        capture_output=True, text=True, timeout=timeout_s, env=env)
+    proc = subprocess.run(torchrun_command(nproc, __name__, ["--out", str(out), "--engines", ",".join(engines)]),
+                          capture_output=True, text=True, timeout=timeout_s, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"the conformance run failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     with open(out) as f:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed import partition_for_zero3
+from ..distributed import partition_for_zero3, torchrun_command
 from ..models import adapter_for
 from ..streaming import causal_lm_of
 
@@ -310,7 +309,5 @@ def launch(nproc: int, argv: list[str]) -> int:
             command.append(arg)
     if "--engine" not in command and not any(a.startswith("--engine=") for a in command):
         command += ["--engine", "ddp"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                "-m", "leanbp", *command]
-    return subprocess.run(torchrun, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.run(torchrun_command(nproc, "leanbp", command), env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
                           ).returncode
