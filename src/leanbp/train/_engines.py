@@ -27,6 +27,7 @@ from torch import nn
 from ..distributed import partition_for_zero3, torchrun_command
 from ..models import adapter_for
 from ..streaming import causal_lm_of
+from ._safe_load import load_dcp, load_deepspeed_safely, load_tensors
 
 ENGINES = ("single", "ddp", "fsdp2", "zero2", "zero3")
 BETAS = (0.9, 0.95)
@@ -109,7 +110,7 @@ class Engine:
 
     def load(self, folder: Path) -> None:
         """Restore what ``save`` wrote, after ``prepare`` (the weights were loaded before it)."""
-        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location=self.device))
+        self.optimizer.load_state_dict(load_tensors(folder / "optimizer.pt", map_location=self.device))
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's weights on the main rank (None elsewhere), for the export."""
@@ -191,12 +192,11 @@ class FSDP2Engine(_Distributed):
             self.model.config.save_pretrained(folder)
 
     def load(self, folder: Path) -> None:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=str(folder / "dcp"))
+        load_dcp(state, folder / "dcp")
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
     def full_state_dict(self):
@@ -251,6 +251,7 @@ class DeepSpeedEngine(_Distributed):
             self.model.config.save_pretrained(folder)
 
     def load(self, folder: Path) -> None:
+        load_deepspeed_safely(self.module)
         path, _ = self.module.load_checkpoint(str(folder / "deepspeed"), tag="state")
         if path is None:
             raise ValueError(f"no DeepSpeed checkpoint in {folder}")
