@@ -93,21 +93,32 @@ def test_bench_runs_the_other_family_shapes(tmp_path, capsys, model):
     assert [(r["model"], r["method"]) for r in rows] == [(model, "leanbp")] and rows[0]["activations"] > 0
 
 
-@pytest.mark.parametrize("objective", ["sft", "dpo", "grpo"])
-def test_train_objectives_through_trl_on_built_in_data(tmp_path, objective):
-    pytest.importorskip("trl")
+@pytest.mark.parametrize("objective", ["lm", "sft", "dpo", "grpo"])
+def test_every_objective_runs_on_its_defaults(tmp_path, objective):
+    """`leanbp train --objective X` with nothing but --steps and --out: each objective's defaults
+    form a valid run (GRPO's batch holds one prompt's group by default)."""
+    if objective != "lm":
+        pytest.importorskip("trl")
     out = tmp_path / objective
-    args = ["train", "--objective", objective, "--seq-len", "64", "--batch-size", "4", "--steps", "2",
-            "--save-every", "1", "--out", str(out), "--chunk-size", "24", "--completion-len", "8"]
+    args = ["train", "--objective", objective, "--steps", "2", "--out", str(out)]
     assert main(args) == 0
     rows = (out / "train_log.csv").read_text().splitlines()
     assert [r.split(",")[0] for r in rows] == ["step", "1", "2"]
     model = transformers.AutoModelForCausalLM.from_pretrained(out / "checkpoint")
     assert model.config.model_type == "qwen3" and (out / "loss.png").stat().st_size > 0
     if objective == "dpo":  # resume continues from the trainer's newest checkpoint
-        longer = [("3" if a == "2" and args[i - 1] == "--steps" else a) for i, a in enumerate(args)]
-        assert main([*longer, "--resume"]) == 0
+        assert main([*args[:-4], "--steps", "3", "--out", str(out), "--resume"]) == 0
         assert [r.split(",")[0] for r in (out / "train_log.csv").read_text().splitlines()] == ["step", "1", "2", "3"]
+
+
+def test_grpo_batches_that_split_a_group_are_explained_with_the_fix(tmp_path, capsys):
+    pytest.importorskip("trl")
+    assert main(["train", "--objective", "grpo", "--batch-size", "6", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "--batch-size 6 x --grad-accum 1 = 6 completions" in err and "not a whole number of groups" in err
+    assert "pass --batch-size 4 (or a multiple of it), or --group-size 2 or 3 or 6" in err
+    assert main(["train", "--objective", "grpo", "--group-size", "1", "--out", str(tmp_path / "o")]) == 2
+    assert "at least 2 completions per prompt" in capsys.readouterr().err
 
 
 def test_train_objective_rejects_data_in_the_wrong_format(tmp_path, capsys):

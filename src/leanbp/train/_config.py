@@ -37,7 +37,9 @@ class TrainConfig:
                        help="run folder: checkpoints/step-*/ (checkpoint -> the newest), train_log.csv, loss.png, "
                             "run.json")
     seq_len: int = setting(4096, help="tokens per sequence")
-    batch_size: int = setting(1, help="sequences per micro-batch (per process)")
+    batch_size: int | None = setting(None, parse=int,
+                                     help="sequences per micro-batch, per process (default: 1; grpo: --group-size, "
+                                          "so that a micro-batch holds one prompt's completions, as TRL's defaults do)")
     grad_accum: int = setting(1, help="micro-batches per optimizer step")
     steps: int = setting(40, help="optimizer steps of the run")
     lr: float = setting(1e-3, help="peak learning rate")
@@ -68,6 +70,8 @@ class TrainConfig:
                                "(where ddp is the default)")
 
     def __post_init__(self):
+        if self.batch_size is None:  # (each objective's default, so that the defaults form a valid run)
+            self.batch_size = self.group_size if self.objective == "grpo" else 1
         dtype_named(self.dtype, TRAIN_DTYPES)
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
@@ -81,6 +85,8 @@ class TrainConfig:
                      "keep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.objective == "grpo":
+            _check_groups(self.batch_size, self.grad_accum, self.group_size)
         if self.stream is not None and not isinstance(self.stream, StreamConfig):
             raise TypeError(f"stream must be a leanbp.StreamConfig or None, got {type(self.stream).__name__}")
         variant_settings(self.approx)  # one of approx's VARIANTS, else ValueError
@@ -102,3 +108,18 @@ class TrainConfig:
         flat = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "stream"}
         streamed = self.stream is not None
         return {**flat, **vars(self.stream if streamed else StreamConfig()), "stream": streamed, "world_size": world}
+
+
+def _check_groups(batch_size: int, grad_accum: int, group_size: int) -> None:
+    """GRPO scores each prompt's group of completions against each other, so TRL's trainer needs a
+    step's completions (batch size x gradient accumulation, on one process) to hold whole groups."""
+    if group_size < 2:
+        raise ValueError(f"--group-size {group_size}: GRPO compares each completion with the others of its prompt, so "
+                         "it needs at least 2 completions per prompt")
+    completions = batch_size * grad_accum
+    if completions % group_size:
+        fits = [g for g in range(2, completions + 1) if completions % g == 0]
+        other = f", or --group-size {' or '.join(map(str, fits))}" if fits else ""
+        raise ValueError(f"--objective grpo: a step holds --batch-size {batch_size} x --grad-accum {grad_accum} = "
+                         f"{completions} completions, which is not a whole number of groups of --group-size "
+                         f"{group_size}; pass --batch-size {group_size} (or a multiple of it){other}")

@@ -71,8 +71,6 @@ def train_trl(cfg, model, tokenizer, progress: bool = True) -> dict:
         trainer_cls = trl.DPOTrainer
         extra["ref_model"] = copy.deepcopy(model).eval()  # the frozen starting point
     else:
-        if cfg.batch_size % cfg.group_size:
-            raise ValueError(f"--batch-size ({cfg.batch_size}) must be a multiple of --group-size ({cfg.group_size})")
         args = trl.GRPOConfig(max_completion_length=cfg.completion_len, num_generations=cfg.group_size, **common)
         trainer_cls = trl.GRPOTrainer
         extra["reward_funcs"] = continuation_reward
