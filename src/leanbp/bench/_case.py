@@ -86,11 +86,17 @@ def run_case(spec: dict) -> dict:
             "activations": r.activations, "host": r.host, "step_s": seconds, "chunk_rows": rows}
 
 
+def run_any_case(spec: dict) -> dict:
+    """The one entry point of every suite's cases: a TRL case, or a stream / approx one."""
+    if spec.get("suite") == "trl":
+        from ._trl_case import run_trl_case
+
+        return run_trl_case(spec)
+    return run_case(spec)
+
+
 if __name__ == "__main__":
     import warnings
 
     warnings.filterwarnings("ignore")
-    case = json.loads(sys.argv[1])
-    if case.get("suite") == "trl":
-        from ._trl_case import run_trl_case as run_case  # noqa: F811 (one entry point, two suites)
-    print("LEANBP_CASE " + json.dumps(run_case(case)), flush=True)
+    print("LEANBP_CASE " + json.dumps(run_any_case(json.loads(sys.argv[1]))), flush=True)
