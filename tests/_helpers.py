@@ -52,9 +52,14 @@ def compare_step(model, stream_kwargs, batch, embeds=False, num_items_in_batch=N
     return loss_err, input_err, relative_errors(ref, model)
 
 
-def forced_probes(deepspeed_fp16: bool) -> dict[str, str]:
-    """The environment of a process that answers DeepSpeed's fp16 probe with ``deepspeed_fp16``,
+def forced_probes(deepspeed_fp16: bool | None = None, pdeathsig: bool | None = None) -> dict[str, str]:
+    """The environment of a process that answers DeepSpeed's fp16 probe with ``deepspeed_fp16``
+    and leanbp's parent-death-signal probe with ``pdeathsig`` (None: as the machine does),
     whatever this machine reports (tests/_forced_probes/sitecustomize.py)."""
     site = str(Path(__file__).resolve().parent / "_forced_probes")
     path = os.pathsep.join(filter(None, (site, os.environ.get("PYTHONPATH"))))
-    return {**os.environ, "PYTHONPATH": path, "LEANBP_TEST_DEEPSPEED_FP16": "1" if deepspeed_fp16 else "0"}
+    env = {**os.environ, "PYTHONPATH": path}
+    for name, answer in (("LEANBP_TEST_DEEPSPEED_FP16", deepspeed_fp16), ("LEANBP_TEST_PDEATHSIG", pdeathsig)):
+        if answer is not None:
+            env[name] = "1" if answer else "0"
+    return env

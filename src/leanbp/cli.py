@@ -48,16 +48,17 @@ def _add_train(sub):
 def _train(args) -> int:
     from .train import launch, launched_by_torchrun, train
 
-    if args.nproc is not None:
-        if launched_by_torchrun():  # (the launched ranks run this command without --nproc)
-            raise ValueError("--nproc launches torchrun itself; under torchrun, leave it out")
-        return launch(args.nproc, args.argv)
+    if args.nproc is not None and launched_by_torchrun():  # (the launched ranks run this command without --nproc)
+        raise ValueError("--nproc launches torchrun itself; under torchrun, leave it out")
     if args.no_stream and args.offload:
         raise ValueError("--offload moves the streamed layers' inputs to the host: it needs streaming (drop "
                          "--no-stream)")
     settings = values(args, _TRAIN_OPTIONS)
-    settings["engine"] = args.engine or ("ddp" if launched_by_torchrun() else "single")
+    several = args.nproc is not None or launched_by_torchrun()
+    settings["engine"] = args.engine or ("ddp" if several else "single")
     cfg = TrainConfig(**settings, stream=None if args.no_stream else _stream_config(args, "train"))
+    if args.nproc is not None:
+        return launch(args.nproc, args.argv, cfg)
     state = train(cfg)
     losses = state["losses"]
     if losses and int(os.environ.get("RANK", "0")) == 0:
@@ -68,7 +69,7 @@ def _train(args) -> int:
 
 
 def _add_bench(sub):
-    from .bench import BENCH_DTYPES, BENCH_MODELS, ApproxBenchCase, BenchCase, TrlBenchCase
+    from .bench import BENCH_DTYPES, BENCH_MODELS, PEERS, PEERS_SUITE, ApproxBenchCase, BenchCase, TrlBenchCase
     from .streaming import METHODS
 
     trl_lengths = ",".join(f"{k}={':'.join(map(str, v))}" for k, v in _default(TrlBenchCase, "seq_lens").items())
@@ -281,11 +282,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"train": _train, "bench": _bench, "plan": _plan, "verify": _verify}[args.command](args)
     except (ValueError, NotImplementedError, FileNotFoundError, ImportError) as e:
-        print(f"leanbp {args.command}: error: {e}", file=sys.stderr)
+        _say(f"leanbp {args.command}: error: {e}")
         return 2
     except NonFiniteError as e:
-        print(f"leanbp {args.command}: stopped: {e}", file=sys.stderr)
+        _say(f"leanbp {args.command}: stopped: {e}")
         return 3
+
+
+def _say(line: str) -> None:
+    """One line on stderr, once per run: of the ranks of a multi-process run, the first that has it."""
+    from .train import first_to_report
+
+    if first_to_report():
+        print(line, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,11 @@ processes a test starts, with the answers in the environment:
 
     LEANBP_TEST_DEEPSPEED_FP16=1|0   DeepSpeed's accelerator answers ``is_fp16_supported()`` so
                                      (the CPU accelerator asks oneDNN, a CUDA one the capability).
+    LEANBP_TEST_PDEATHSIG=1|0        leanbp's ranks find Linux's parent-death signal available or
+                                     not (without it they watch their parent from a thread, as on
+                                     macOS).
 
-DeepSpeed is patched when it loads, not imported here: most processes never import it.
+Modules are patched when they load, not imported here: most processes never import them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import sys
 
 _FORCED = os.environ.get("LEANBP_TEST_DEEPSPEED_FP16")
+_PDEATHSIG = os.environ.get("LEANBP_TEST_PDEATHSIG")
 
 
 class _PatchAccelerators(importlib.abc.MetaPathFinder):
@@ -46,5 +50,28 @@ class _PatchAccelerators(importlib.abc.MetaPathFinder):
         return spec
 
 
+class _PatchRanks(importlib.abc.MetaPathFinder):
+    """Makes ``leanbp.train._ranks`` answer its parent-death-signal probe as forced."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "leanbp.train._ranks":
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        real_exec = spec.loader.exec_module
+
+        def exec_module(module):
+            real_exec(module)
+            module.parent_death_signal_available = lambda: _PDEATHSIG == "1"
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
 if _FORCED in ("0", "1"):
     sys.meta_path.insert(0, _PatchAccelerators())
+if _PDEATHSIG in ("0", "1"):
+    sys.meta_path.insert(0, _PatchRanks())

@@ -90,11 +90,10 @@ def partition_for_zero3(model: nn.Module, config: dict) -> None:
                         dtype=dtype if dtype in (torch.float16, torch.bfloat16) else None)
 
 
-def torchrun_command(nproc: int, module: str, args) -> list[str]:
+def torchrun_command(nproc: int, module: str, args, runner: str = "torch.distributed.run") -> list[str]:
     """The command that runs ``python -m <module> <args>`` in ``nproc`` processes on this machine
-    (torchrun, standalone rendezvous)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module,
-            *args]
+    (torchrun, standalone rendezvous; ``runner``: a module that takes torchrun's arguments)."""
+    return [sys.executable, "-m", runner, "--standalone", f"--nproc_per_node={nproc}", "-m", module, *args]
 
 
 def _hooked_by_zero3(module: nn.Module) -> bool:

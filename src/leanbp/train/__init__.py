@@ -10,18 +10,25 @@ multi-process runs.
     _byte_tokenizer.py  a tokenizer that needs nothing downloaded
     _checkpoint.py      checkpoints no crash can lose
     _outputs.py         run.json, train_log.csv, loss.png
-    _engines.py         one process, DDP, FSDP2, ZeRO-2/3; the --nproc launcher
+    _safe_load.py       what --resume reads, with nothing unpickled that could run code
+    _run_lock.py        one run folder, one owner (a kernel lock held for the run's life)
+    _engines.py         one process, DDP, FSDP2, ZeRO-2/3
+    _launcher.py        --nproc N: the run checked once, then torchrun's agent (_agent.py) and N ranks
+    _ranks.py           the ranks die with their launcher; an error they all meet is said once
 """
 
 from ._byte_tokenizer import byte_tokenizer
 from ._config import OBJECTIVES, TRAIN_DTYPES, NonFiniteError, TrainConfig
 from ._data import TokenData, builtin_records, bundled_text, continuation_reward, load_tokenizer, read_jsonl, verses
-from ._engines import ENGINES, launch, launched_by_torchrun, make_engine
+from ._engines import ENGINES, make_engine
+from ._launcher import check_run, launch
 from ._loop import train
 from ._models import TRAIN_QWEN3, build_model, load_model, qwen3_config
 from ._outputs import plot_losses
+from ._ranks import first_to_report, launched_by_torchrun
+from ._run_lock import RunFolderBusy, RunLock
 
-__all__ = ["ENGINES", "NonFiniteError", "OBJECTIVES", "TRAIN_DTYPES", "TRAIN_QWEN3", "TokenData",
-           "TrainConfig", "build_model", "builtin_records", "bundled_text", "byte_tokenizer", "continuation_reward",
-           "launch", "launched_by_torchrun", "load_model", "make_engine", "load_tokenizer", "plot_losses", "qwen3_config",
-           "read_jsonl", "train", "verses"]
+__all__ = ["ENGINES", "NonFiniteError", "OBJECTIVES", "RunFolderBusy", "RunLock", "TRAIN_DTYPES", "TRAIN_QWEN3",
+           "TokenData", "TrainConfig", "build_model", "builtin_records", "bundled_text", "byte_tokenizer", "check_run",
+           "continuation_reward", "first_to_report", "launch", "launched_by_torchrun", "load_model", "load_tokenizer",
+           "make_engine", "plot_losses", "qwen3_config", "read_jsonl", "train", "verses"]

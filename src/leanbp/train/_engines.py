@@ -16,7 +16,6 @@ loads with ``from_pretrained`` whatever engine trained it.
 from __future__ import annotations
 
 import os
-import subprocess
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,22 +23,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed import partition_for_zero3, torchrun_command
+from ..distributed import partition_for_zero3
 from ..models import adapter_for
 from ..streaming import causal_lm_of
+from ._ranks import launched_by_torchrun, several_processes
 from ._safe_load import load_dcp, load_deepspeed_safely, load_tensors
 
 ENGINES = ("single", "ddp", "fsdp2", "zero2", "zero3")
 BETAS = (0.9, 0.95)
-
-
-def launched_by_torchrun() -> bool:
-    """This process is a rank started by torchrun (even a world of one)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-
-
-def several_processes() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 class Engine:
@@ -293,22 +284,3 @@ def make_engine(name: str, device: torch.device) -> Engine:
             raise ImportError("--engine zero2/zero3 needs DeepSpeed: pip install -e '.[deepspeed]'") from None
         return DeepSpeedEngine(device, int(name[-1]))
     return {"ddp": DDPEngine, "fsdp2": FSDP2Engine}[name](device)
-
-
-def launch(nproc: int, argv: list[str]) -> int:
-    """Run ``leanbp <argv>`` (its ``--nproc`` left out) in ``nproc`` processes under torchrun
-    (``--engine ddp`` unless it names one); returns torchrun's exit code."""
-    if nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    command, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--nproc":
-            skip = True
-        elif not arg.startswith("--nproc="):
-            command.append(arg)
-    if "--engine" not in command and not any(a.startswith("--engine=") for a in command):
-        command += ["--engine", "ddp"]
-    return subprocess.run(torchrun_command(nproc, "leanbp", command), env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-                          ).returncode

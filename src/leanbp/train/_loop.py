@@ -32,13 +32,24 @@ from ._data import TokenData, load_tokenizer
 from ._engines import Engine, make_engine
 from ._models import load_model
 from ._outputs import LossLog, plot_losses, prepare_run_folder, record_run
+from ._ranks import die_with_torchrun, launched_by_torchrun
+from ._run_lock import RunLock
 from ._trl import train_trl
 
 
 def train(cfg: TrainConfig, progress: bool = True) -> dict:
     """Run ``cfg``; returns the loop's state ({"step", "losses", "skipped", ...})."""
+    if launched_by_torchrun():
+        die_with_torchrun()  # (no rank outlives its launcher)
     engine = make_engine(cfg.engine, _device(cfg.device))  # (joins the process group of a multi-process run)
-    out = open_run(cfg, engine)
+    lock = RunLock(cfg.out)  # held by the main rank from before it reads OUT until the run ends
+    try:
+        return _run(cfg, engine, open_run(cfg, engine, lock), progress)
+    finally:
+        lock.release()
+
+
+def _run(cfg: TrainConfig, engine: Engine, out: Path, progress: bool) -> dict:
     model, state, resume_from = load(cfg, engine, out)
     tokenizer = load_tokenizer(cfg.model, model.config.vocab_size)
     if cfg.approx != "none":
@@ -74,18 +85,20 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
             if state["step"] % cfg.save_every == 0 or state["step"] == cfg.steps:
                 save_checkpoint(out, engine, state, cfg.keep)
     finally:
+        bar.close()  # (so that a message of why the run stopped starts on a line of its own)
         if log is not None:
             log.close()
     finish(engine, out, state)
     return state
 
 
-def open_run(cfg: TrainConfig, engine: Engine) -> Path:
-    """The run folder, decided by one process; every process stops if it refuses."""
+def open_run(cfg: TrainConfig, engine: Engine, lock: RunLock) -> Path:
+    """The run folder, decided and held (``lock``) by the main process; every process stops if it
+    refuses."""
     out, error = Path(cfg.out), None
     if engine.is_main:
         try:
-            out = prepare_run_folder(cfg, engine.world)
+            out = prepare_run_folder(cfg, engine.world, lock)
         except (ValueError, FileNotFoundError) as e:
             error = e
     message = engine.first_error(None if error is None else str(error))

@@ -33,18 +33,25 @@ def build_model(config, dtype=torch.float32, seed: int = 0):
     return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
+def model_config(spec: str | None, seq_len: int):
+    """The config of the model ``spec`` names (nothing else is read): a local directory or
+    config.json, or the built-in model (None)."""
+    if spec is None:
+        return qwen3_config(TRAIN_QWEN3, max_positions=max(seq_len, 2048))
+    path = Path(spec)
+    if not ((path.is_file() and path.suffix == ".json") or path.is_dir()):
+        raise FileNotFoundError(f"--model {spec!r} is neither a model directory nor a config .json file")
+    try:
+        return transformers.AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {spec}: not a transformers model ({str(e).splitlines()[0]})") from None
+
+
 def load_model(spec: str | None, seq_len: int, dtype: torch.dtype, seed: int):
     """A transformers causal LM from a local directory or config.json, or the built-in Qwen3 model.
     A directory with weights is loaded; a bare config is built with random init (seeded)."""
-    if spec is None:
-        return build_model(qwen3_config(TRAIN_QWEN3, max_positions=max(seq_len, 2048)), dtype, seed)
-    path = Path(spec)
-    if path.is_file() and path.suffix == ".json":
-        config = transformers.AutoConfig.from_pretrained(str(path))
-        return build_model(config, dtype, seed)
-    if path.is_dir():
-        has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
-        if has_weights:
-            return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-        return build_model(transformers.AutoConfig.from_pretrained(str(path)), dtype, seed)
-    raise FileNotFoundError(f"--model {spec!r} is neither a model directory nor a config .json file")
+    config = model_config(spec, seq_len)
+    if spec is not None and Path(spec).is_dir() and (any(Path(spec).glob("*.safetensors"))
+                                                    or any(Path(spec).glob("*.bin"))):
+        return transformers.AutoModelForCausalLM.from_pretrained(str(spec), dtype=dtype)
+    return build_model(config, dtype, seed)

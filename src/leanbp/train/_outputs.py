@@ -10,28 +10,41 @@ from pathlib import Path
 
 from . import _checkpoint as checkpoints
 from ._config import TrainConfig
+from ._run_lock import RunLock
 
 LOG_HEADER = ["step", "loss", "lr", "tokens_per_s", "peak_mib", "activation_mib"]
 
 
-def prepare_run_folder(cfg: TrainConfig, world: int = 1) -> Path:
-    """The run folder: refuse to overwrite a run silently, or to resume it with other settings."""
+def check_run_folder(cfg: TrainConfig, world: int = 1) -> None:
+    """Raise if the run folder may not take this run: it holds another run (without --resume or
+    --overwrite), or --resume finds no run or one with other settings. Changes nothing."""
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {cfg.out}: cannot make a folder there (a file is in the way)")
+    saved = checkpoints.read_run(out) if out.is_dir() else None
+    if cfg.resume:
+        if saved is None:
+            raise FileNotFoundError(f"--resume: no run in {out}")
+        checkpoints.check_resumable(saved, cfg.settings(world))
+    elif out.is_dir() and checkpoints.has_run(out) and not cfg.overwrite:
+        done = checkpoints.latest(out)
+        at = f" (checkpoint at step {int(done.name.split('-')[1])})" if done else ""
+        raise ValueError(f"{out} already holds a run{at}; pass --resume to continue it, --overwrite to replace "
+                         "it, or another --out")
+
+
+def prepare_run_folder(cfg: TrainConfig, world: int = 1, lock: RunLock | None = None) -> Path:
+    """The run folder, made and held (``lock``, taken before anything in it is read or changed):
+    refuse to overwrite a run silently, or to resume it with other settings."""
     out = Path(cfg.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as e:
         raise ValueError(f"--out {cfg.out}: cannot make a folder there ({e.strerror})") from None
-    saved = checkpoints.read_run(out)
-    if cfg.resume:
-        if saved is None:
-            raise FileNotFoundError(f"--resume: no run in {out}")
-        checkpoints.check_resumable(saved, cfg.settings(world))
-    elif checkpoints.has_run(out):
-        if not cfg.overwrite:
-            done = checkpoints.latest(out)
-            at = f" (checkpoint at step {int(done.name.split('-')[1])})" if done else ""
-            raise ValueError(f"{out} already holds a run{at}; pass --resume to continue it, --overwrite to replace "
-                             "it, or another --out")
+    if lock is not None:
+        lock.acquire()
+    check_run_folder(cfg, world)
+    if not cfg.resume and checkpoints.has_run(out):  # (--overwrite, or check_run_folder had refused)
         checkpoints.clear_run(out)
     return out
 

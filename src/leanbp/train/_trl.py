@@ -39,7 +39,7 @@ def load_records(objective: str, path: str | None, seed: int) -> list[dict]:
     raise ValueError(f"{path}: every line needs {wanted} for --objective {objective}")
 
 
-def _trl():
+def trl_modules():
     try:
         import datasets
         import trl
@@ -50,7 +50,7 @@ def _trl():
 
 def train_trl(cfg, model, tokenizer, progress: bool = True) -> dict:
     """Train ``model`` with the TRL trainer of ``cfg.objective``; returns {"step", "losses"}."""
-    trl, datasets = _trl()
+    trl, datasets = trl_modules()
     out = Path(cfg.out)
     dataset = datasets.Dataset.from_list(load_records(cfg.objective, cfg.data, cfg.seed))
     common = dict(
@@ -95,4 +95,4 @@ def train_trl(cfg, model, tokenizer, progress: bool = True) -> dict:
     return {"step": trainer.state.global_step, "losses": [loss for _, loss in losses]}
 
 
-__all__ = ["load_records", "train_trl"]
+__all__ = ["load_records", "train_trl", "trl_modules"]
