@@ -249,19 +249,21 @@ class ChunkedCrossEntropyFunction(torch.autograd.Function):
             targets = r.targets.index_select(0, idx)
             chunk = _Chunk(call, rows, inputs, graph=want_grad)
             z = chunk.z
-            lse = torch.logsumexp(z, dim=-1)  # (n,)
-            total += (lse - z.gather(1, targets[:, None]).squeeze(1)).sum()
+            z_kept = z.clone() if want_grad and call.transform.softcap is not None else None
+            # Memory: log-softmax in the z buffer itself, one pass and no (n, V) temporary (a
+            # logsumexp and a subtraction took two passes more)
+            log_p = torch.log_softmax(z, dim=-1, out=z)  # (n, V)
+            total -= log_p.gather(1, targets[:, None]).sum()
             if want_grad:
-                # d(sum CE)/dz = softmax - onehot, computed in the z buffer itself
-                z_kept = z.clone() if call.transform.softcap is not None else None
-                dz = z.sub_(lse[:, None]).exp_()
+                # d(sum CE)/dz = softmax - onehot, computed in the same buffer
+                dz = log_p.exp_()
                 dz[torch.arange(dz.shape[0], device=dz.device), targets] -= 1
                 g = chunk.backprop(dz, z_kept, head_grads)
                 if r.need_input:
                     dflat.index_copy_(0, idx, g.pop(0))  # each row is in exactly one chunk
                 grads.add(g)
                 del dz  # (the z buffer: gone before the next chunk's logits exist)
-            del chunk, z
+            del chunk, z, log_p
         r.finish(grads, head_grads)
         loss = total / denominator  # no labelled row and no count: 0 / 0 = nan, as in transformers
         ctx.denominator = denominator
