@@ -79,8 +79,10 @@ def _add_bench(sub):
                                    "(Qwen3-shaped, hidden 512, 4 layers, vocab 32000) and prints peak memory, "
                                    "activation memory (peak - params - grads), step time and ratios to gradient "
                                    "checkpointing. Writes bench.csv, bench.json and bench.png to --out.")
-    p.add_argument("--suite", choices=["stream", "approx", "trl"], default="stream",
-                   help="stream: plain vs checkpointing vs leanbp on the Qwen3 bench model; approx: exact vs "
+    p.add_argument("--suite", choices=["stream", "peers", "approx", "trl"], default="stream",
+                   help="stream: plain vs checkpointing vs leanbp on the Qwen3 bench model; peers: leanbp vs the "
+                        "strongest exact single-device recipes (checkpointing + tiled loss, ALST: + DeepSpeed's "
+                        "TiledMLP) at T 8192 and 16384, 3 rounds, ratios to ALST; approx: exact vs "
                         "ReSiLU2 / MS-RMSNorm / both on a Llama-shaped model (batch 4, T 512-2048, full and LoRA); "
                         "trl: TRL's SFT (packed) / DPO / GRPO trainers with checkpointing, checkpointing + leanbp's "
                         "head, and leanbp")
@@ -88,12 +90,19 @@ def _add_bench(sub):
                                       f"{','.join(map(str, _default(BenchCase, 'seq_lens')))}; approx: "
                                       f"{','.join(map(str, _default(ApproxBenchCase, 'seq_lens')))}; trl: per "
                                       f"objective, {trl_lengths})")
-    p.add_argument("--timed-steps", type=int, default=_default(BenchCase, "timed_steps"),
-                   help="stream and trl suites: steps timed per case (median)")
-    p.add_argument("--methods", default=",".join(_default(BenchCase, "methods")),
-                   help=f"stream suite: comma-separated, from {', '.join(METHODS)} (leanbp_auto: chunk size "
-                        '"auto"; leanbp_offload: the hidden states between layers and their gradients in host memory, '
-                        "reported in a host column; head: transformers' decoder with leanbp's head)")
+    p.add_argument("--timed-steps", type=int,
+                   help=f"stream, peers and trl suites: steps timed per case, the median (stream and trl: "
+                        f"{_default(BenchCase, 'timed_steps')}, peers: {PEERS_SUITE['timed_steps']})")
+    p.add_argument("--rounds", type=int,
+                   help=f"stream and peers suites: run every case this many times, alternating the order of the "
+                        f"methods (time: the median of the rounds; stream: {_default(BenchCase, 'rounds')}, peers: "
+                        f"{PEERS_SUITE['rounds']})")
+    p.add_argument("--methods",
+                   help=f"stream and peers suites: comma-separated, from {', '.join((*METHODS, *PEERS))} "
+                        '(leanbp_auto: chunk size "auto"; leanbp_offload: the hidden states between layers and their '
+                        "gradients in host memory, reported in a host column; head: transformers' decoder with "
+                        f"leanbp's head; {', '.join(PEERS)}: the peers suite's; peers default: "
+                        f"{','.join(PEERS_SUITE['methods'])})")
     p.add_argument("--model", default=_default(BenchCase, "model"), choices=BENCH_MODELS,
                    help="stream suite: the bench shape as a Qwen3 (default), Gemma3 (3 sliding-window layers of "
                         "1024 + 1 global) or Qwen3-MoE (8 experts, top 2, load-balancing loss on) model")
@@ -104,18 +113,20 @@ def _add_bench(sub):
                         f"{_default(ApproxBenchCase, 'dtype')} (default: fp32 parameters, bf16 compute) or fp32")
     p.add_argument("--device", default="cpu", help="every suite: cpu (default) or cuda")
     add_options(p, StreamConfig, _STREAM_OPTIONS["bench"])
-    p.add_argument("--out", default="bench_out", help="folder for bench.csv / bench.json / bench.png")
+    p.add_argument("--out", default="bench_out",
+                   help="folder for bench.csv / bench.json / bench.png (peers: bench_peers.*; approx, trl: theirs)")
 
 
 def _bench(args) -> int:
-    from .bench import (ApproxBenchCase, BenchCase, TrlBenchCase, describe_machine, format_approx_table, format_table,
-                        format_trl_table, machine, run_approx_bench, run_bench, run_trl_bench)
+    from .bench import (PEERS_SUITE, ApproxBenchCase, BenchCase, TrlBenchCase, describe_machine, format_approx_table,
+                        format_table, format_trl_table, machine, run_approx_bench, run_bench, run_trl_bench)
 
     print(f"machine: {describe_machine(machine())}")
     stream = _stream_config(args, "bench")
     if args.suite == "trl":
         lengths = {"seq_lens": _per_objective(args.seq_lens)} if args.seq_lens is not None else {}
-        case = TrlBenchCase(timed_steps=args.timed_steps, stream=stream, device=args.device, **lengths)
+        steps = {"timed_steps": args.timed_steps} if args.timed_steps is not None else {}
+        case = TrlBenchCase(stream=stream, device=args.device, **lengths, **steps)
         print(format_trl_table(run_trl_bench(case, args.out)))
         print(f"\nwrote {args.out}/bench_trl.csv, bench_trl.json, bench_trl.png")
         return 0
@@ -127,11 +138,15 @@ def _bench(args) -> int:
         print(format_approx_table(run_approx_bench(case, args.out)))
         print(f"\nwrote {args.out}/bench_approx.csv, bench_approx.json")
         return 0
-    case = BenchCase(**({"seq_lens": seq_lens} if seq_lens is not None else {}), methods=args.methods.split(","),
-                     model=args.model, batch=args.batch if args.batch is not None else 1, dtype=args.dtype or "fp32",
-                     device=args.device, stream=stream, timed_steps=args.timed_steps)
-    print(format_table(run_bench(case, args.out)))
-    print(f"\nwrote {args.out}/bench.csv, bench.json, bench.png")
+    given = {"seq_lens": seq_lens, "rounds": args.rounds, "timed_steps": args.timed_steps,
+             "methods": args.methods.split(",") if args.methods is not None else None}
+    defaults = PEERS_SUITE if args.suite == "peers" else {}
+    case = BenchCase(**{**defaults, **{k: v for k, v in given.items() if v is not None}}, model=args.model,
+                     batch=args.batch if args.batch is not None else 1, dtype=args.dtype or "fp32",
+                     device=args.device, stream=stream)
+    name, baseline = ("bench_peers", "alst") if args.suite == "peers" else ("bench", "ckpt")
+    print(format_table(run_bench(case, args.out, name=name, baseline=baseline), baseline))
+    print(f"\nwrote {args.out}/{name}.csv, {name}.json, {name}.png")
     return 0
 
 

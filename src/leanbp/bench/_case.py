@@ -19,6 +19,7 @@ from ..memory import track
 from ..streaming import StreamConfig, apply_method, chunk_size_used, is_streamed
 from ..train import build_model
 from ._models import bench_config
+from ._peers import PEERS, peer_loss, prepare_peer
 from ._timing import synchronize
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -26,7 +27,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 def build_case_model(spec: dict):
     """The model of a case: bench shape, dtype, optional LoRA, optional approximation, then the
-    method (``leanbp.streaming.METHODS``) with the case's ``StreamConfig``."""
+    method (``leanbp.streaming.METHODS`` with the case's ``StreamConfig``, or a peer of ``PEERS``)."""
     dtype_name = spec.get("dtype", "fp32")
     # "autocast": fp32 weights, bf16 compute (run_case enters autocast)
     dtype = dtype_named("fp32" if dtype_name == "autocast" else dtype_name)
@@ -41,7 +42,10 @@ def build_case_model(spec: dict):
     variant = spec.get("approx", "none")
     if variant != "none":
         approx(model, **variant_settings(variant))
-    apply_method(model, spec["method"], StreamConfig(**spec.get("stream", {})))
+    if spec["method"] in PEERS:
+        prepare_peer(model, spec["method"])
+    else:
+        apply_method(model, spec["method"], StreamConfig(**spec.get("stream", {})))
     return top, model.config
 
 
@@ -55,9 +59,14 @@ def run_case(spec: dict) -> dict:
     # "autocast": fp32 parameters, bf16 compute (mixed precision, as in most fine-tuning)
     use_autocast = spec.get("dtype") == "autocast"
 
+    tile_rows = StreamConfig(**spec.get("stream", {})).head_chunk_size  # (a peer's loss tiles: leanbp's head chunk)
+
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            if spec["method"] in PEERS:
+                loss = peer_loss(model, ids, ids, tile_rows, spec["method"])
+            else:
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         return loss.item()
 

@@ -17,6 +17,7 @@ from ..memory import MiB
 from ..streaming import METHODS, StreamConfig, old_chunk_sizes
 from ._machine import machine
 from ._models import BENCH_MODELS
+from ._peers import PEERS
 from ._trl_case import TRL_METHODS, TRL_OBJECTIVES
 
 # fp32 or bf16 weights and compute, or mixed precision ("autocast": fp32 weights, bf16 compute)
@@ -41,16 +42,26 @@ def _check_positive(case, *names: str) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+# what every method of the stream and peers suites is called in tables and plots
+LABELS = {**{name: m.label for name, m in METHODS.items()}, **{name: p.label for name, p in PEERS.items()}}
+# the peers suite: leanbp against the strongest exact single-device recipes, ALST's the baseline
+# (each case's time: the median of its 3 rounds, one timed step each after the measured one)
+PEERS_SUITE = dict(methods=["ckpt", "ckpt_tiled_loss", "alst", "leanbp"], seq_lens=[8192, 16384], rounds=3,
+                   timed_steps=1)
+
+
 @dataclass
 class BenchCase:
     seq_lens: list[int] = field(default_factory=lambda: [2048, 4096, 8192, 16384])
-    methods: list[str] = field(default_factory=lambda: ["plain", "ckpt", "leanbp"])
+    methods: list[str] = field(default_factory=lambda: ["plain", "ckpt", "leanbp"])  # METHODS, or PEERS
     model: str = "qwen3"  # the bench shape as qwen3, gemma3 or qwen3_moe (``_models.bench_config``)
     batch: int = 1
     dtype: str = "fp32"
     device: str = "cpu"
     stream: StreamConfig = field(default_factory=StreamConfig)  # the streamed methods' settings
     timed_steps: int = 3  # step time: the median of this many steps after the measured one
+    # every case this many times, each round in the other order; a case's time is its rounds' median
+    rounds: int = 1
     timeout_s: int = 3600
     # deprecated: the chunk sizes before ``stream`` carried them
     chunk_size: InitVar[int | str | None] = None
@@ -59,10 +70,10 @@ class BenchCase:
     def __post_init__(self, chunk_size, head_chunk_size):
         self.stream = old_chunk_sizes(self, self.stream, chunk_size, head_chunk_size)
         _check_list("seq_lens", self.seq_lens)
-        _check_list("methods", self.methods, tuple(METHODS))
+        _check_list("methods", self.methods, (*METHODS, *PEERS))
         _check_list("model", [self.model], BENCH_MODELS)
         _check_list("dtype", [self.dtype], BENCH_DTYPES)
-        _check_positive(self, "batch", "timed_steps")
+        _check_positive(self, "batch", "timed_steps", "rounds")
 
 
 def _run_one(spec: dict, timeout_s: int) -> dict:
@@ -81,27 +92,51 @@ def _run_one(spec: dict, timeout_s: int) -> dict:
     return {**spec, "error": f"exit {proc.returncode}: {tail[0][:200]}"}
 
 
-def run_bench(case: BenchCase, out_dir: str | Path, progress: bool = True) -> list[dict]:
+def run_bench(case: BenchCase, out_dir: str | Path, progress: bool = True, name: str = "bench",
+              baseline: str = "ckpt") -> list[dict]:
+    """Every method at every T, each case in its own process (``case.rounds`` times); writes
+    ``<name>.csv``, ``<name>.json`` and ``<name>.png``; ratios to ``baseline`` (and to checkpointing)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    # the order of the methods alternates from one T to the next: none always runs first (or after
-    # the heaviest case), which moved single timings by +-5% on a shared machine
+    # the order of the methods alternates from one T to the next and from one round to the next:
+    # none always runs first (or after the heaviest case), which moved single timings by +-5% on a
+    # shared machine
     specs = [
         {"method": m, "seq_len": T, "model": case.model, "batch": case.batch, "dtype": case.dtype, "device": case.device,
          "stream": asdict(case.stream), "timed_steps": case.timed_steps}
-        for i, T in enumerate(case.seq_lens) for m in (case.methods if i % 2 == 0 else case.methods[::-1])
+        for r in range(case.rounds) for i, T in enumerate(case.seq_lens)
+        for m in (case.methods if (i + r) % 2 == 0 else case.methods[::-1])
     ]
-    rows = []
+    rounds = []
     bar = tqdm(specs, desc="bench", disable=not progress, unit="case")
     for spec in bar:
         bar.set_postfix_str(f"{spec['method']} T={spec['seq_len']}")
-        rows.append(_run_one(spec, case.timeout_s))
+        rounds.append(_run_one(spec, case.timeout_s))
+    rows = _median_of_rounds(rounds)
     rows.sort(key=lambda r: (case.seq_lens.index(r["seq_len"]), case.methods.index(r["method"])))
-    _add_ratios(rows, "ckpt", is_base=lambda r: r["method"] == "ckpt", group=lambda r: r["seq_len"])
-    write_csv(rows, out_dir / "bench.csv")
-    (out_dir / "bench.json").write_text(json.dumps({"case": asdict(case), "machine": machine(), "rows": rows},
-                                                   indent=1))
-    plot(rows, out_dir / "bench.png")
+    for base in dict.fromkeys(("ckpt", baseline)):
+        _add_ratios(rows, base, is_base=lambda r, b=base: r["method"] == b, group=lambda r: r["seq_len"])
+    write_csv(rows, out_dir / f"{name}.csv", baseline)
+    (out_dir / f"{name}.json").write_text(json.dumps({"case": asdict(case), "machine": machine(), "rows": rows},
+                                                     indent=1))
+    plot(rows, out_dir / f"{name}.png")
+    return rows
+
+
+def _median_of_rounds(results: list[dict]) -> list[dict]:
+    """One row per (method, T): the round with the median step time (memory is the same in every
+    round), with every round's time in ``step_s_rounds``; a case that failed in any round is its error."""
+    by_case: dict[tuple, list[dict]] = {}
+    for r in results:
+        by_case.setdefault((r["method"], r["seq_len"]), []).append(r)
+    rows = []
+    for runs in by_case.values():
+        failed = [r for r in runs if "error" in r]
+        if failed:
+            rows.append(failed[0])
+            continue
+        runs = sorted(runs, key=lambda r: r["step_s"])
+        rows.append({**runs[(len(runs) - 1) // 2], "step_s_rounds": [r["step_s"] for r in runs]})
     return rows
 
 
@@ -260,7 +295,8 @@ def plot_trl(rows: list[dict], path: Path) -> None:
             ax.set_yscale("log")
             ax.set_xlabel("sequence length T")
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
+            if ax.get_legend_handles_labels()[0]:  # (none where every case failed: the rows say why)
+                ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -300,35 +336,45 @@ def _add_ratios(rows: list[dict], name: str, is_base, group) -> None:
         r[f"time_vs_{name}"] = r["step_s"] / base["step_s"]
 
 
-COLUMNS = ["method", "seq_len", "chunk_rows", "peak_mib", "params_mib", "grads_mib", "act_mib", "host_mib", "step_s",
-           "act_vs_ckpt", "time_vs_ckpt", "error"]
+def _ratio_keys(baseline: str) -> list[str]:
+    """act_vs_ckpt, time_vs_ckpt (and the same against ``baseline``)."""
+    return [f"{kind}_vs_{b}" for b in dict.fromkeys(("ckpt", baseline)) for kind in ("act", "time")]
 
 
-def _flat(r: dict) -> dict:
+def _columns(baseline: str) -> list[str]:
+    return ["method", "seq_len", "chunk_rows", "peak_mib", "params_mib", "grads_mib", "act_mib", "host_mib", "step_s",
+            *_ratio_keys(baseline), "error"]
+
+
+def _flat(r: dict, baseline: str = "ckpt") -> dict:
     out = {"method": r["method"], "seq_len": r["seq_len"], "chunk_rows": r.get("chunk_rows") or "",
            "error": r.get("error", "")}
     for key, col in (("peak", "peak_mib"), ("params", "params_mib"), ("grads", "grads_mib"),
                      ("activations", "act_mib"), ("host", "host_mib")):
         out[col] = round(r[key] / MiB, 1) if key in r else ""
-    for key in ("step_s", "act_vs_ckpt", "time_vs_ckpt"):
+    for key in ("step_s", *_ratio_keys(baseline)):
         out[key] = round(r[key], 3) if key in r else ""
     return out
 
 
-def write_csv(rows: list[dict], path: Path) -> None:
+def write_csv(rows: list[dict], path: Path, baseline: str = "ckpt") -> None:
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w = csv.DictWriter(f, fieldnames=_columns(baseline))
         w.writeheader()
         for r in rows:
-            w.writerow(_flat(r))
+            w.writerow(_flat(r, baseline))
 
 
-def format_table(rows: list[dict]) -> str:
+def format_table(rows: list[dict], baseline: str = "ckpt") -> str:
+    """The stream suite's table (ratios to checkpointing), or the peers suite's (also to ``baseline``)."""
+    extra = [] if baseline == "ckpt" else [f"act / {baseline}", f"time / {baseline}"]
     return markdown_table(
-        ["T", "method", "chunk", "peak MiB", "activation MiB", "host MiB", "step s", "act / ckpt", "time / ckpt"], rows,
-        key=lambda r: [r["seq_len"], r["method"], r.get("chunk_rows") or ""],
-        values=lambda r: [(f := _flat(r))["peak_mib"], f["act_mib"], f["host_mib"] or "-", f"{r['step_s']:.1f}",
-                          _ratio(f["act_vs_ckpt"]), _ratio(f["time_vs_ckpt"])])
+        ["T", "method", "chunk", "peak MiB", "activation MiB", "host MiB", "step s", "act / ckpt", "time / ckpt",
+         *extra], rows,
+        key=lambda r: [r["seq_len"], LABELS[r["method"]] if extra else r["method"], r.get("chunk_rows") or ""],
+        values=lambda r: [(f := _flat(r, baseline))["peak_mib"], f["act_mib"], f["host_mib"] or "-",
+                          f"{r['step_s']:.1f}", _ratio(f["act_vs_ckpt"]), _ratio(f["time_vs_ckpt"]),
+                          *([_ratio(f[f"act_vs_{baseline}"]), _ratio(f[f"time_vs_{baseline}"])] if extra else [])])
 
 
 def _ratio(x) -> str:
@@ -347,8 +393,8 @@ def plot(rows: list[dict], path: Path) -> None:
         if not ok:
             continue
         T = [r["seq_len"] for r in ok]
-        ax_mem.plot(T, [r["activations"] / MiB for r in ok], marker="o", label=method)
-        ax_time.plot(T, [r["step_s"] for r in ok], marker="o", label=method)
+        ax_mem.plot(T, [r["activations"] / MiB for r in ok], marker="o", label=LABELS[method])
+        ax_time.plot(T, [r["step_s"] for r in ok], marker="o", label=LABELS[method])
     for ax, title, unit in ((ax_mem, "activation memory (peak - params - grads)", "MiB"),
                             (ax_time, "training step time (forward + backward)", "seconds")):
         ax.set_xscale("log", base=2)
@@ -357,7 +403,8 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_ylabel(unit)
         ax.set_title(title, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
