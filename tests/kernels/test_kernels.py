@@ -8,8 +8,9 @@ import torch
 pytest.importorskip("triton")
 
 from leanbp.approx import _activations as act_ref  # noqa: E402
+from leanbp.approx import _inverted as inv_ref  # noqa: E402
 from leanbp.approx import _norms as norm_ref  # noqa: E402
-from leanbp.kernels import _approx_act, _ms_norm  # noqa: E402
+from leanbp.kernels import _approx_act, _inverted_act, _ms_norm  # noqa: E402
 
 
 @pytest.mark.parametrize("kind,consts", [("gelu", act_ref.REGELU2), ("silu", act_ref.RESILU2)])
@@ -29,6 +30,28 @@ def test_approx_activation_kernels_match_reference(kind, consts, n, dtype):
     rtol = 0 if dtype == torch.float32 else 2 ** -7
     torch.testing.assert_close(_approx_act.approx_act_backward(g, packed, consts),
                                act_ref.approx_act_backward(kind, g, packed_ref), rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize("kind", list(inv_ref.FUNCTIONS))
+@pytest.mark.parametrize("n", [5, 1031])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inverted_activation_kernels_match_reference(kind, n, dtype):
+    x = (torch.randn(n) * 4).to(dtype)
+    t = inv_ref.side_threshold(kind, dtype)
+    x[:3] = torch.tensor([t, t, t], dtype=dtype)  # the threshold itself, and its neighbours
+    x[1], x[2] = torch.nextafter(x[1], torch.tensor(-10.0, dtype=dtype)), torch.nextafter(x[2], torch.tensor(10.0, dtype=dtype))
+    x[3:5] = torch.tensor([float("nan"), 40.0])  # (a NaN stays NaN; above the table: its last entry)
+    y, packed = _inverted_act.inverted_forward(kind, x, t)
+    y_ref, packed_ref = inv_ref.inverted_forward(kind, x)
+    assert torch.equal(packed, packed_ref)  # the same side bits, bit for bit
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol, equal_nan=True)
+    g = torch.randn(n).to(dtype)
+    # from the same saved output: the same table entries, the fraction within fp32 rounding
+    got = _inverted_act.inverted_backward(g, y_ref, packed_ref, inv_ref.inverse_table(kind))
+    want = inv_ref.inverted_backward(kind, g, y_ref, packed_ref)
+    rtol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(got, want, rtol=rtol, atol=1e-6, equal_nan=True)
 
 
 @pytest.mark.parametrize("center", [True, False])

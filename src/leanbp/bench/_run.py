@@ -302,7 +302,8 @@ def plot_trl(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-APPROX_LABELS = {"none": "exact", "act": "ReSiLU2 only", "norm": "MS-RMSNorm only", "both": "ReSiLU2 + MS-RMSNorm"}
+APPROX_LABELS = {"none": "exact", "act": "ReSiLU2 only", "norm": "MS-RMSNorm only", "both": "ReSiLU2 + MS-RMSNorm",
+                 "inverted": "Inverted SiLU only", "inverted+norm": "Inverted SiLU + MS-RMSNorm"}
 
 
 def format_approx_table(rows: list[dict]) -> str:

@@ -40,6 +40,19 @@ def approx_act_backward(grad_out: torch.Tensor, packed: torch.Tensor, consts):
     return kernel(grad_out, packed, consts)
 
 
+def inverted_forward(kind: str, x: torch.Tensor, x_min: float):
+    """Inverted activation forward and packed side bits (``_inverted_act.py``)."""
+    from ._inverted_act import inverted_forward as kernel
+
+    return kernel(kind, x, x_min)
+
+
+def inverted_backward(grad_out: torch.Tensor, y: torch.Tensor, packed: torch.Tensor, table):
+    from ._inverted_act import inverted_backward as kernel
+
+    return kernel(grad_out, y, packed, table)
+
+
 def ms_norm_forward(x: torch.Tensor, eps: float, center: bool, out_dtype: torch.dtype):
     """MS-LayerNorm / MS-RMSNorm forward (``_ms_norm.py``)."""
     from ._ms_norm import ms_norm_forward as kernel
