@@ -26,8 +26,10 @@ mantissa, which bounds any inversion near the minimum (the derivative error ther
 Approximate gradients: opt in (``leanbp.approx(model, activations="inverted")``), and say so.
 
 Three layers, as everywhere in leanbp: plain functions (``inverted_forward`` /
-``inverted_backward``, the CPU path and the oracle of the Triton kernels), a thin autograd
-Function, and an nn.Module with a functional alias.
+``inverted_backward``, the oracle of the kernels and their fallback), a thin autograd Function, and
+an nn.Module with a functional alias. The kernels (``leanbp.kernels``): Triton on CUDA, and on the
+CPU the same arithmetic fused by ``torch.compile`` into one loop per direction (the reference's
+dozen whole-tensor passes cost 4x more).
 """
 
 from __future__ import annotations
@@ -206,7 +208,11 @@ class _InvertedFunction(torch.autograd.Function):
         if kernels.use_triton(x):
             y, packed = kernels.inverted_forward(kind, x, side_threshold(kind, x.dtype))
         else:
-            y, packed = inverted_forward(kind, x)
+            packed = kernels.compiled_side_bits(x, side_threshold(kind, x.dtype)) if kernels.use_compiled(x) else None
+            if packed is None:  # (float64, switched off, or no compiler here: the reference)
+                y, packed = inverted_forward(kind, x)
+            else:
+                y = FUNCTIONS[kind](x)
         ctx.kind = kind
         # Memory: the output (the tensor the next op saves too: one storage) and 1 bit per element
         ctx.save_for_backward(y, packed)
@@ -217,6 +223,10 @@ class _InvertedFunction(torch.autograd.Function):
         y, packed = ctx.saved_tensors
         if kernels.use_triton(grad_out):
             return kernels.inverted_backward(grad_out, y, packed, inverse_table(ctx.kind)), None
+        if kernels.use_compiled(grad_out):
+            dx = kernels.compiled_inverted_backward(grad_out, y, packed, inverse_table(ctx.kind))
+            if dx is not None:
+                return dx, None
         return inverted_backward(ctx.kind, grad_out, y, packed), None
 
 

@@ -53,6 +53,29 @@ def inverted_backward(grad_out: torch.Tensor, y: torch.Tensor, packed: torch.Ten
     return kernel(grad_out, y, packed, table)
 
 
+def use_compiled(x: torch.Tensor) -> bool:
+    """Run the fused CPU kernel (``_compiled.py``): CPU tensors other than float64, unless
+    ``LEANBP_COMPILE=0`` or compiling failed here before."""
+    from ._compiled import use_compiled as decide
+
+    return decide(x)
+
+
+def compiled_side_bits(x: torch.Tensor, threshold: float):
+    """The packed side bits of an inverted activation from the fused CPU kernel, or None where it
+    cannot be compiled (the caller runs the reference)."""
+    from ._compiled import run, side_bits
+
+    return run(side_bits, x, threshold)
+
+
+def compiled_inverted_backward(grad_out: torch.Tensor, y: torch.Tensor, packed: torch.Tensor, table):
+    from ._compiled import inverted_backward, run
+
+    values, slopes = table.on(y.device, torch.float32)
+    return run(inverted_backward, grad_out, y, packed, values, slopes, table.y_min, 1.0 / table.step, table.points)
+
+
 def ms_norm_forward(x: torch.Tensor, eps: float, center: bool, out_dtype: torch.dtype):
     """MS-LayerNorm / MS-RMSNorm forward (``_ms_norm.py``)."""
     from ._ms_norm import ms_norm_forward as kernel

@@ -1,0 +1,78 @@
+"""Fused CPU kernels of the inverted activations, written as PyTorch and compiled by ``torch.compile``
+(inductor turns each into one C++ loop over the elements).
+
+The PyTorch reference in ``leanbp.approx._inverted`` runs a dozen whole-tensor passes per backward
+(copy, sqrt, int conversion, unpacking, two gathers, ...), each of which reads and writes every
+element: on 11M elements here, 284 ms against 33 ms for the exact SiLU backward. The same
+arithmetic fused into one loop takes 72 ms; the forward's side bits likewise (three passes and a
+reduction in the reference). The reference stays the oracle (the tests compare the
+two) and the fallback: where no C++ compiler is found, or ``LEANBP_COMPILE=0``, or for float64
+(exactness checks keep the reference), the reference runs. The first call in a process compiles
+(seconds; inductor caches the code on disk for later processes).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+def side_bits(x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """[x < threshold] packed 8 per byte, element j at bit j % 8 (the activation itself stays
+    PyTorch's own kernel, so the forward is bit for bit the exact one)."""
+    flat = x.reshape(-1)
+    bits = F.pad((flat < threshold).to(torch.uint8), (0, (-flat.numel()) % 8)).view(-1, 8)  # (ceil(N/8), 8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=x.device)
+    return (bits << shifts).sum(1, dtype=torch.uint8)
+
+
+def inverted_backward(grad_out: torch.Tensor, y: torch.Tensor, packed: torch.Tensor, values: torch.Tensor,
+                      slopes: torch.Tensor, y_min: float, inv_step: float, points: int) -> torch.Tensor:
+    """grad_out * f'(f^-1(y)), f' interpolated in the table (``approx._inverted.InverseTable``)."""
+    j = torch.arange(y.numel(), device=y.device)  # (N,) element indices: which bit of which byte
+    side = (packed[j // 8].to(torch.int32) >> (j % 8).to(torch.int32)) & 1
+    pos = (y.reshape(-1).float() - y_min).clamp(min=0).sqrt() * inv_step
+    below = pos.to(torch.int32).clamp(0, points - 2)  # (NaN lands in range; its result stays NaN)
+    frac = pos - below
+    index = below + side * points
+    deriv = values[index] + frac * slopes[index]
+    return (deriv.view(y.shape) * grad_out.float()).to(grad_out.dtype)
+
+
+@functools.cache
+def _switched_off() -> bool:
+    """``LEANBP_COMPILE=0``: the PyTorch references on the CPU (read once per process)."""
+    return os.environ.get("LEANBP_COMPILE", "1") == "0"
+
+
+_failed: list[str] = []  # why compiling failed, once: every later call takes the reference
+
+
+def use_compiled(x: torch.Tensor) -> bool:
+    """CPU tensors other than float64, unless switched off or compiling has failed here before."""
+    return x.device.type == "cpu" and x.dtype != torch.float64 and not _switched_off() and not _failed
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn, dynamic=True)
+
+
+def run(fn, *args, **kwargs):
+    """``fn`` compiled (once per process), or None if it cannot be compiled here (warned once);
+    the caller then runs its reference."""
+    try:
+        with torch.no_grad():
+            return _compiled(fn)(*args, **kwargs)
+    except Exception as e:  # (a missing or broken C++ compiler surfaces as many exception types)
+        _failed.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        warnings.warn(f"leanbp: torch.compile of the fused CPU kernel {fn.__name__} failed ({_failed[0]}); "
+                      "using the PyTorch reference (slower, same results). LEANBP_COMPILE=0 skips the attempt.",
+                      stacklevel=2)
+        return None
+
+
+__all__ = ["inverted_backward", "run", "side_bits", "use_compiled"]
