@@ -22,11 +22,13 @@ import torch.nn.functional as F
 
 def side_bits(x: torch.Tensor, threshold: float) -> torch.Tensor:
     """[x < threshold] packed 8 per byte, element j at bit j % 8 (the activation itself stays
-    PyTorch's own kernel, so the forward is bit for bit the exact one)."""
+    PyTorch's own kernel, so the forward is bit for bit the exact one). Written as a sum of int32
+    bit weights: inductor fuses that into one loop (24 ms on 11M elements), where shifting uint8
+    bits and summing them compiled to a loop 30x slower."""
     flat = x.reshape(-1)
-    bits = F.pad((flat < threshold).to(torch.uint8), (0, (-flat.numel()) % 8)).view(-1, 8)  # (ceil(N/8), 8)
-    shifts = torch.arange(8, dtype=torch.uint8, device=x.device)
-    return (bits << shifts).sum(1, dtype=torch.uint8)
+    bits = F.pad(flat < threshold, (0, (-flat.numel()) % 8)).view(-1, 8).to(torch.int32)  # (ceil(N/8), 8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32, device=x.device)
+    return (bits * weights).sum(1).to(torch.uint8)
 
 
 def inverted_backward(grad_out: torch.Tensor, y: torch.Tensor, packed: torch.Tensor, values: torch.Tensor,
