@@ -50,6 +50,19 @@ def test_bits_pack_eight_per_byte(n):
     assert pack_bits(torch.tensor([True, False, True] + [False] * 5 + [True])).tolist() == [0b101, 1]
 
 
+def test_the_reference_gives_the_same_bits_and_gradients_in_blocks(monkeypatch):
+    from leanbp.approx import _inverted
+
+    x = torch.randn(3, 17, 11) * 3  # 561 elements: blocks of 64 cut it 9 times, the last one short
+    g = torch.randn_like(x)
+    y, packed = _inverted.inverted_forward("gelu", x)
+    whole = _inverted.inverted_backward("gelu", g, y, packed)
+    monkeypatch.setattr(_inverted, "BLOCK", 64)
+    y_b, packed_b = _inverted.inverted_forward("gelu", x)
+    assert torch.equal(packed_b, packed) and torch.equal(y_b, y)
+    assert torch.equal(_inverted.inverted_backward("gelu", g, y, packed), whole)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_forward_is_exact(dtype):
     x = torch.randn(37, 11, dtype=dtype, requires_grad=True) * 3

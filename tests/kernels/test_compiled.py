@@ -72,5 +72,9 @@ def test_switched_off_float64_and_cuda_take_other_paths(monkeypatch):
     assert _compiled.use_compiled(torch.zeros(2))
     assert not _compiled.use_compiled(torch.zeros(2, dtype=torch.float64))  # (exactness checks: the reference)
     assert not _compiled.use_compiled(torch.zeros(2, device="meta"))
+    from leanbp.memory import track
+
+    with track(torch.nn.Linear(1, 1)):  # (a dispatch mode watching: compiled code would run op by op)
+        assert not _compiled.use_compiled(torch.zeros(2))
     monkeypatch.setattr(_compiled, "_switched_off", lambda: True)  # LEANBP_COMPILE=0
     assert not _compiled.use_compiled(torch.zeros(2))

@@ -165,27 +165,44 @@ def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 # -- plain forward / backward -------------------------------------------------------------------
+# Memory: the reference works through the elements in blocks, so its temporaries (a float copy, an
+# int32 index, the unpacked bits: about 13 bytes per element) exist for one block at a time, not
+# for the whole tensor; a multiple of 8, so every block packs whole bytes
+BLOCK = 1 << 20
+
+
+def _blocks(numel: int):
+    return ((b0, min(b0 + BLOCK, numel)) for b0 in range(0, numel, BLOCK))
+
+
 def inverted_forward(kind: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(exact f(x), the packed side bits [x < x_min])."""
-    return FUNCTIONS[kind](x), pack_bits(x < side_threshold(kind, x.dtype))
+    flat, threshold = x.reshape(-1), side_threshold(kind, x.dtype)
+    packed = torch.empty((flat.numel() + 7) // 8, dtype=torch.uint8, device=x.device)
+    for b0, b1 in _blocks(flat.numel()):
+        packed[b0 // 8: (b1 + 7) // 8] = pack_bits(flat[b0:b1] < threshold)
+    return FUNCTIONS[kind](x), packed
 
 
 def inverted_backward(kind: str, grad_out: torch.Tensor, y: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """grad_out * f'(f^-1(y)) on the side each bit says, interpolated in the table."""
     table = inverse_table(kind)
     values, slopes = table.on(y.device, y.dtype)
-    # Memory: two (N,) float buffers and one int32 index (y itself is the shared saved output and
-    # must stay untouched); each step below is in place
-    pos = y.to(values.dtype, copy=True).view(-1)  # (N,)
-    pos.sub_(table.y_min).clamp_(min=0).sqrt_().mul_(1.0 / table.step)  # position on the u grid
-    # (N,) the entry below (floor: pos >= 0); a NaN or inf output (what a NaN input gives) lands in
-    # range and leaves its derivative NaN, as the exact backward would
-    index = pos.to(torch.int32).clamp_(0, table.points - 2)
-    pos.sub_(index)  # the fraction between it and the next
-    index.add_(unpack_bits(packed, y.numel()), alpha=table.points)  # left side: the second half
-    deriv = values.index_select(0, index).addcmul_(pos, slopes.index_select(0, index))  # (N,) f'
-    del index, pos
-    return deriv.view(y.shape).mul_(grad_out).to(grad_out.dtype)
+    y_flat, g_flat = y.reshape(-1), grad_out.reshape(-1)
+    out = torch.empty(y.numel(), dtype=grad_out.dtype, device=grad_out.device)
+    for b0, b1 in _blocks(y.numel()):
+        # y itself is the shared saved output and stays untouched: each step below works in place
+        # on the block's own float copy
+        pos = y_flat[b0:b1].to(values.dtype, copy=True)  # (n,)
+        pos.sub_(table.y_min).clamp_(min=0).sqrt_().mul_(1.0 / table.step)  # position on the u grid
+        # (n,) the entry below (floor: pos >= 0); a NaN or inf output (what a NaN input gives) lands
+        # in range and leaves its derivative NaN, as the exact backward would
+        index = pos.to(torch.int32).clamp_(0, table.points - 2)
+        pos.sub_(index)  # the fraction between it and the next
+        index.add_(unpack_bits(packed[b0 // 8: (b1 + 7) // 8], b1 - b0), alpha=table.points)  # left: 2nd half
+        deriv = values.index_select(0, index).addcmul_(pos, slopes.index_select(0, index))  # (n,) f'
+        out[b0:b1] = deriv.mul_(g_flat[b0:b1])
+    return out.view(grad_out.shape)
 
 
 def derivative_error(kind: str, dtype: torch.dtype = torch.float32, low: float = -30.0, high: float = 30.0,

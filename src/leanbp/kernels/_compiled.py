@@ -19,6 +19,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 def side_bits(x: torch.Tensor, threshold: float) -> torch.Tensor:
     """[x < threshold] packed 8 per byte, element j at bit j % 8 (the activation itself stays
@@ -54,8 +55,13 @@ _failed: list[str] = []  # why compiling failed, once: every later call takes th
 
 
 def use_compiled(x: torch.Tensor) -> bool:
-    """CPU tensors other than float64, unless switched off or compiling has failed here before."""
-    return x.device.type == "cpu" and x.dtype != torch.float64 and not _switched_off() and not _failed
+    """CPU tensors other than float64, unless switched off, or compiling has failed here before,
+    or a dispatch mode watches the ops (leanbp's memory tracker, FakeTensorMode): under one,
+    compiled code runs its graph op by op with every intermediate materialized (215 MiB for a
+    10.8 MiB result, measured), and fake tensors cannot run it at all, so the reference runs there,
+    whose temporaries are bounded by its blocks."""
+    return (x.device.type == "cpu" and x.dtype != torch.float64 and not _switched_off() and not _failed
+            and _get_current_dispatch_mode() is None)
 
 
 @functools.cache
