@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from leanbp.approx import inverted_activation
+from leanbp.approx import _activations as act_ref
 from leanbp.approx import _inverted as ref
 from leanbp.kernels import _compiled
 
@@ -32,6 +33,19 @@ def test_fused_cpu_kernels_match_the_reference(kind, dtype):
     want = ref.inverted_backward(kind, g, y_ref, packed_ref)
     rtol = 1e-5 if dtype == torch.float32 else 2 ** -7  # (the same table entries; fused fp32 rounding)
     torch.testing.assert_close(got, want, rtol=rtol, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("kind,consts", [("gelu", act_ref.REGELU2), ("silu", act_ref.RESILU2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_two_bit_kernels_match_the_reference(kind, consts, dtype):
+    x = (torch.randn(5, 203) * 5).to(dtype)  # 1015 elements: the last byte part full
+    x.view(-1)[:3] = torch.tensor(act_ref.thresholds(consts, dtype), dtype=dtype)  # (strict >)
+    packed = _compiled.run(_compiled.two_bit_codes, x, *act_ref.thresholds(consts, dtype))
+    _, packed_ref = act_ref.approx_act_forward(kind, x)
+    assert packed is not None and torch.equal(packed, packed_ref)
+    g = torch.randn(x.shape).to(dtype)
+    got = _compiled.run(_compiled.two_bit_backward, g, packed, *consts.levels[1:])
+    torch.testing.assert_close(got, act_ref.approx_act_backward(kind, g, packed_ref), rtol=0, atol=0)
 
 
 def test_the_activation_takes_the_fused_path_on_cpu_and_matches_the_reference(monkeypatch):

@@ -9,8 +9,9 @@ The constants (REFERENCES.md §2) fit the *function* (three shifted ReLUs), so t
 approximation: opt in, and say so wherever it is used.
 
 Three layers, as everywhere in leanbp: plain functions (``*_forward`` / ``*_backward``), a thin
-autograd Function, and an nn.Module with a functional alias. The plain functions are the CPU path
-and the oracle of the Triton kernels (``leanbp.kernels``) used for CUDA tensors.
+autograd Function, and an nn.Module with a functional alias. The plain functions are the oracle of
+the kernels (``leanbp.kernels``: Triton for CUDA tensors, fused by ``torch.compile`` on the CPU)
+and their fallback.
 """
 
 from __future__ import annotations
@@ -113,11 +114,15 @@ def approx_act_backward(kind: str, grad_out: torch.Tensor, packed: torch.Tensor)
 class _ApproxActFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, kind: str) -> torch.Tensor:
+        consts = REGELU2 if kind == "gelu" else RESILU2
         if kernels.use_triton(x):
-            consts = REGELU2 if kind == "gelu" else RESILU2
             y, packed = kernels.approx_act_forward(kind, x, thresholds(consts, x.dtype))
         else:
-            y, packed = approx_act_forward(kind, x)
+            packed = kernels.compiled_two_bit_codes(x, thresholds(consts, x.dtype)) if kernels.use_compiled(x) else None
+            if packed is None:  # (float64, switched off, or no compiler here: the reference)
+                y, packed = approx_act_forward(kind, x)
+            else:
+                y = _exact(kind, x)
         ctx.kind = kind
         ctx.save_for_backward(packed)  # Memory: 2 bits per element instead of x itself
         return y
@@ -125,9 +130,13 @@ class _ApproxActFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         (packed,) = ctx.saved_tensors
+        consts = REGELU2 if ctx.kind == "gelu" else RESILU2
         if kernels.use_triton(grad_out):
-            consts = REGELU2 if ctx.kind == "gelu" else RESILU2
             return kernels.approx_act_backward(grad_out, packed, consts), None
+        if kernels.use_compiled(grad_out):
+            dx = kernels.compiled_two_bit_backward(grad_out.contiguous(), packed, consts)
+            if dx is not None:
+                return dx, None
         return approx_act_backward(ctx.kind, grad_out.contiguous(), packed), None
 
 

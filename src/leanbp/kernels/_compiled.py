@@ -1,5 +1,6 @@
-"""Fused CPU kernels of the inverted activations, written as PyTorch and compiled by ``torch.compile``
-(inductor turns each into one C++ loop over the elements).
+"""Fused CPU kernels of the approximate activations (inverted, and ReSiLU2/ReGELU2's 2-bit codes),
+written as PyTorch and compiled by ``torch.compile`` (inductor turns each into one C++ loop over
+the elements).
 
 The PyTorch reference in ``leanbp.approx._inverted`` runs a dozen whole-tensor passes per backward
 (copy, sqrt, int conversion, unpacking, two gathers, ...), each of which reads and writes every
@@ -45,6 +46,24 @@ def inverted_backward(grad_out: torch.Tensor, y: torch.Tensor, packed: torch.Ten
     return (deriv.view(y.shape) * grad_out.float()).to(grad_out.dtype)
 
 
+def two_bit_codes(x: torch.Tensor, c0: float, c1: float, c2: float) -> torch.Tensor:
+    """ReSiLU2/ReGELU2's codes [x > c0] + [x > c1] + [x > c2], packed 4 per byte, element j at bits
+    2 * (j % 4) (the thresholds: the reference's, on x's grid)."""
+    flat = x.reshape(-1)
+    codes = (flat > c0).to(torch.int32) + (flat > c1).to(torch.int32) + (flat > c2).to(torch.int32)
+    codes = F.pad(codes, (0, (-flat.numel()) % 4)).view(-1, 4)  # (ceil(N/4), 4)
+    weights = torch.tensor([1, 4, 16, 64], dtype=torch.int32, device=x.device)
+    return (codes * weights).sum(1).to(torch.uint8)
+
+
+def two_bit_backward(grad_out: torch.Tensor, packed: torch.Tensor, l1: float, l2: float, l3: float) -> torch.Tensor:
+    """grad_out * level[code], the level of each element's 2-bit code (0, l1, l2, l3)."""
+    j = torch.arange(grad_out.numel(), device=grad_out.device)
+    code = (packed[j // 4].to(torch.int32) >> ((j % 4) * 2).to(torch.int32)) & 3
+    level = torch.where(code == 1, l1, torch.where(code == 2, l2, torch.where(code == 3, l3, 0.0)))
+    return (level.view(grad_out.shape) * grad_out.float()).to(grad_out.dtype)
+
+
 @functools.cache
 def _switched_off() -> bool:
     """``LEANBP_COMPILE=0``: the PyTorch references on the CPU (read once per process)."""
@@ -83,4 +102,4 @@ def run(fn, *args, **kwargs):
         return None
 
 
-__all__ = ["inverted_backward", "run", "side_bits", "use_compiled"]
+__all__ = ["inverted_backward", "run", "side_bits", "two_bit_backward", "two_bit_codes", "use_compiled"]

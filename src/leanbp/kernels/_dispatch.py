@@ -76,6 +76,19 @@ def compiled_inverted_backward(grad_out: torch.Tensor, y: torch.Tensor, packed: 
     return run(inverted_backward, grad_out, y, packed, values, slopes, table.y_min, 1.0 / table.step, table.points)
 
 
+def compiled_two_bit_codes(x: torch.Tensor, thresholds):
+    """ReSiLU2/ReGELU2's packed codes from the fused CPU kernel, or None (the caller runs the reference)."""
+    from ._compiled import run, two_bit_codes
+
+    return run(two_bit_codes, x, *thresholds)
+
+
+def compiled_two_bit_backward(grad_out: torch.Tensor, packed: torch.Tensor, consts):
+    from ._compiled import run, two_bit_backward
+
+    return run(two_bit_backward, grad_out, packed, *consts.levels[1:])
+
+
 def ms_norm_forward(x: torch.Tensor, eps: float, center: bool, out_dtype: torch.dtype):
     """MS-LayerNorm / MS-RMSNorm forward (``_ms_norm.py``)."""
     from ._ms_norm import ms_norm_forward as kernel
