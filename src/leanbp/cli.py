@@ -13,7 +13,7 @@ import warnings
 
 from ._options import add_options, field_default as _default, values
 from .streaming import StreamConfig
-from .train import NonFiniteError, TrainConfig
+from .train import NonFiniteError, TrainConfig, privacy_summary
 
 # the StreamConfig settings each command offers
 _STREAM_OPTIONS = {
@@ -65,6 +65,8 @@ def _train(args) -> int:
         final = "final (transformers), checkpoint" if cfg.engine in ("fsdp2", "zero2", "zero3") else "checkpoint"
         print(f"{cfg.objective} step {state['step']}: loss {losses[0]:.4f} -> {losses[-1]:.4f}; "
               f"{final} in {cfg.out}")
+    if state.get("privacy") is not None:  # (--optimizer dpzero)
+        print(privacy_summary(state["privacy"]))
     return 0
 
 

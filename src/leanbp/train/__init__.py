@@ -15,11 +15,13 @@ multi-process runs.
     _engines.py         one process, DDP, FSDP2, ZeRO-2/3
     _launcher.py        --nproc N: the run checked once, then torchrun's agent (_agent.py) and N ranks
     _ranks.py           the ranks die with their launcher; an error they all meet is said once
+    _zo.py              --optimizer dpzero: DPZero's private steps (leanbp.zo) and their accounting
 """
 
 from ._byte_tokenizer import byte_tokenizer
-from ._config import OBJECTIVES, TRAIN_DTYPES, NonFiniteError, TrainConfig
-from ._data import TokenData, builtin_records, bundled_text, continuation_reward, load_tokenizer, read_jsonl, verses
+from ._config import OBJECTIVES, OPTIMIZERS, TRAIN_DTYPES, NonFiniteError, TrainConfig
+from ._data import (CLASSIFY, TokenData, builtin_records, bundled_text, classify_records, continuation_reward,
+                    load_tokenizer, read_jsonl, verses)
 from ._engines import ENGINES, make_engine
 from ._launcher import check_run, launch
 from ._loop import train
@@ -27,8 +29,10 @@ from ._models import TRAIN_QWEN3, build_model, load_model, qwen3_config
 from ._outputs import plot_losses
 from ._ranks import first_to_report, launched_by_torchrun
 from ._run_lock import RunFolderBusy, RunLock
+from ._zo import default_delta, privacy_summary
 
-__all__ = ["ENGINES", "NonFiniteError", "OBJECTIVES", "RunFolderBusy", "RunLock", "TRAIN_DTYPES", "TRAIN_QWEN3",
-           "TokenData", "TrainConfig", "build_model", "builtin_records", "bundled_text", "byte_tokenizer", "check_run",
-           "continuation_reward", "first_to_report", "launch", "launched_by_torchrun", "load_model", "load_tokenizer",
-           "make_engine", "plot_losses", "qwen3_config", "read_jsonl", "train", "verses"]
+__all__ = ["CLASSIFY", "ENGINES", "NonFiniteError", "OBJECTIVES", "OPTIMIZERS", "RunFolderBusy", "RunLock",
+           "TRAIN_DTYPES", "TRAIN_QWEN3", "TokenData", "TrainConfig", "build_model", "builtin_records", "bundled_text",
+           "byte_tokenizer", "check_run", "classify_records", "continuation_reward", "default_delta",
+           "first_to_report", "launch", "launched_by_torchrun", "load_model", "load_tokenizer", "make_engine",
+           "plot_losses", "privacy_summary", "qwen3_config", "read_jsonl", "train", "verses"]

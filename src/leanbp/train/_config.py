@@ -10,10 +10,14 @@ from .._dtypes import dtype_named
 from .._options import setting
 from ..approx import VARIANTS, variant_settings
 from ..streaming import StreamConfig
+from ._data import CLASSIFY
 from ._engines import ENGINES
 
 OBJECTIVES = ("lm", "sft", "dpo", "grpo")
 TRAIN_DTYPES = ("fp32", "bf16", "fp64")
+# adamw: backprop (streamed) + AdamW; dpzero: two forwards per step, differentially private
+OPTIMIZERS = ("adamw", "dpzero")
+DEFAULT_LR = {"adamw": 1e-3, "dpzero": 2e-4}
 
 
 class NonFiniteError(RuntimeError):
@@ -26,10 +30,11 @@ class TrainConfig:
                                 help="local transformers model directory or config.json (default: the built-in "
                                      "Qwen3-shaped model, random init, byte-level vocabulary)")
     data: str | None = setting(None, metavar="FILE",
-                               help="lm: local .txt or .jsonl ('text', or 'prompt'+'completion'); sft|dpo|grpo: a "
-                                    ".jsonl in TRL's format (sft: text | prompt+completion | messages; dpo: "
-                                    "prompt+chosen+rejected; grpo: prompt+answer) (default: the bundled text, or the "
-                                    "objective's built-in set made from it)")
+                               help="lm: local .txt or .jsonl ('text', or 'prompt'+'completion'), or builtin:classify "
+                                    "(the bundled verses as a two-class task: does someone speak in the verse? one "
+                                    "label token, y or n); sft|dpo|grpo: a .jsonl in TRL's format (sft: text | "
+                                    "prompt+completion | messages; dpo: prompt+chosen+rejected; grpo: prompt+answer) "
+                                    "(default: the bundled text, or the objective's built-in set made from it)")
     objective: str = setting("lm", choices=OBJECTIVES,
                              help="lm: leanbp's own loop; sft | dpo | grpo: TRL's trainer on the streamed model "
                                   "(needs pip install -e '.[trl]')")
@@ -42,7 +47,9 @@ class TrainConfig:
                                           "so that a micro-batch holds one prompt's completions, as TRL's defaults do)")
     grad_accum: int = setting(1, help="micro-batches per optimizer step")
     steps: int = setting(40, help="optimizer steps of the run")
-    lr: float = setting(1e-3, help="peak learning rate")
+    lr: float | None = setting(None, parse=float,
+                               help=f"peak learning rate (default: {DEFAULT_LR['adamw']:g} for adamw, "
+                                    f"{DEFAULT_LR['dpzero']:g} for dpzero)")
     warmup: int = setting(5, help="linear warmup steps, then cosine decay to 10% of the learning rate")
     weight_decay: float = setting(0.0, help="AdamW's weight decay")
     dtype: str = setting("fp32", choices=TRAIN_DTYPES, help="the model's dtype")
@@ -50,8 +57,8 @@ class TrainConfig:
     # baseline (--no-stream)
     stream: StreamConfig | None = field(default_factory=StreamConfig)
     approx: str = setting("none", choices=VARIANTS,
-                          help="opt in to Approx-BP (act: ReSiLU2/ReGELU2, approximate gradients) and/or MS-BP "
-                               "(norm: memory-sharing norms with folded affines)")
+                          help="opt in to Approx-BP (act: ReSiLU2/ReGELU2; inverted: Inverted Activations; both "
+                               "approximate gradients) and/or MS-BP (norm: memory-sharing norms with folded affines)")
     save_every: int = setting(20, help="steps between checkpoints")
     seed: int = setting(0, help="seed of the built-in model's weights and of the data order")
     device: str = setting("cpu", help="cpu, cuda, cuda:N")
@@ -68,10 +75,24 @@ class TrainConfig:
                           help="single: one process (the default); ddp | fsdp2 | zero2 | zero3 (DeepSpeed ZeRO): one "
                                "process per device, each on its own micro-batches, launched by --nproc N or torchrun "
                                "(where ddp is the default)")
+    optimizer: str = setting("adamw", choices=OPTIMIZERS,
+                             help="adamw: backprop and AdamW; dpzero: differentially private zeroth-order steps (two "
+                                  "forwards, no backward; Poisson-sampled batches of --batch-size x --grad-accum "
+                                  "records expected; needs pip install -e '.[dp]'; see docs/dpzero.md)")
+    dp_epsilon: float = setting(8.0, help="dpzero: the privacy budget epsilon of the whole run (--steps steps)")
+    dp_delta: float | None = setting(None, parse=float,
+                                     help="dpzero: the privacy budget delta (default: min(1e-5, 1 / (10 N)), N the "
+                                          "records of the data)")
+    dp_clip: float = setting(1.0, help="dpzero: C, each example's loss difference is clipped to [-C, C]")
+    zo_mu: float = setting(1e-3, help="dpzero: mu, the step of the finite difference along the random direction")
 
     def __post_init__(self):
         if self.batch_size is None:  # (each objective's default, so that the defaults form a valid run)
             self.batch_size = self.group_size if self.objective == "grpo" else 1
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.lr is None:  # (each optimizer's default)
+            self.lr = DEFAULT_LR[self.optimizer]
         dtype_named(self.dtype, TRAIN_DTYPES)
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
@@ -101,6 +122,10 @@ class TrainConfig:
         if self.engine.startswith("zero") and self.grad_accum != 1:
             raise ValueError("--engine zero2/zero3 takes --grad-accum 1 (DeepSpeed accumulates by itself); raise "
                              "--batch-size instead")
+        if self.data == CLASSIFY and self.objective != "lm":
+            raise ValueError(f"--data {CLASSIFY} is a task for --objective lm (a prompt and one label token)")
+        if self.optimizer == "dpzero":
+            _check_dpzero(self)
 
     def settings(self, world: int = 1) -> dict:
         """What the run is, flat (run.json; a --resume must match it): every setting, the stream's
@@ -108,6 +133,31 @@ class TrainConfig:
         flat = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "stream"}
         streamed = self.stream is not None
         return {**flat, **vars(self.stream if streamed else StreamConfig()), "stream": streamed, "world_size": world}
+
+
+def _check_dpzero(cfg: TrainConfig) -> None:
+    """What DPZero's guarantee and its two-forward step need of the rest of the run."""
+    if cfg.engine != "single":
+        raise ValueError(f"--optimizer dpzero runs in one process (--engine single), got --engine {cfg.engine}: its "
+                         "step is two forwards and one scalar, with nothing to all-reduce")
+    if cfg.objective != "lm":
+        raise ValueError(f"--optimizer dpzero trains --objective lm (a text corpus, prompt/completion examples or "
+                         f"--data {CLASSIFY}), got --objective {cfg.objective}")
+    if cfg.dtype == "bf16":
+        raise ValueError("--optimizer dpzero needs --dtype fp32 or fp64: perturbing and restoring bf16 weights by "
+                         "mu z rounds them by up to 2**-8 of their size at every step")
+    if cfg.approx != "none":
+        raise ValueError("--approx changes backprop; --optimizer dpzero makes none (forwards only)")
+    if cfg.weight_decay != 0:
+        raise ValueError("--weight-decay is AdamW's; --optimizer dpzero's update is theta -= lr * noisy scalar * z")
+    if not (math.isfinite(cfg.dp_epsilon) and cfg.dp_epsilon > 0):
+        raise ValueError(f"--dp-epsilon must be a finite number > 0, got {cfg.dp_epsilon}")
+    if cfg.dp_delta is not None and not 0 < cfg.dp_delta < 1:
+        raise ValueError(f"--dp-delta must be in (0, 1), got {cfg.dp_delta}")
+    if not (math.isfinite(cfg.dp_clip) and cfg.dp_clip > 0):
+        raise ValueError(f"--dp-clip must be a finite number > 0, got {cfg.dp_clip}")
+    if not (math.isfinite(cfg.zo_mu) and cfg.zo_mu > 0):
+        raise ValueError(f"--zo-mu must be a finite number > 0, got {cfg.zo_mu}")
 
 
 def _check_groups(batch_size: int, grad_accum: int, group_size: int) -> None:

@@ -2,7 +2,8 @@
 
 Token ids come from a byte-level tokenizer (the built-in model has a 256-token vocabulary, so the
 bundled text needs nothing downloaded) or from a tokenizer saved next to a local model. The
-built-in post-training sets (SFT, DPO, GRPO) are made from the same text.
+built-in post-training sets (SFT, DPO, GRPO) and the classification task (``--data
+builtin:classify``) are made from the same text.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import torch
 
 from ..engine import IGNORE_INDEX
 from ._byte_tokenizer import byte_tokenizer
+
+CLASSIFY = "builtin:classify"  # --data: the bundled verses as a two-class task (``classify_records``)
 
 
 @cache
@@ -56,6 +59,12 @@ class TokenData:
     A text corpus (.txt, jsonl with "text") becomes one token stream sampled in random windows.
     A jsonl with "prompt" and "completion" gives one example per line, right-padded, with the
     prompt's labels masked (-100), i.e. supervised fine-tuning on completions only.
+    ``builtin:classify`` is such a set made from the bundled verses (``classify_records``), each
+    example a prompt and one label token; its batches are cut to their longest row (a verse is a
+    few hundred bytes: padding every row to --seq-len would be most of the work).
+
+    ``records`` and ``rows`` serve DPZero's Poisson sampling: the records are the examples, or the
+    non-overlapping windows of ``seq_len`` tokens of a text corpus (the unit its privacy protects).
     """
 
     def __init__(self, tokenizer, path: str | None, seq_len: int, seed: int = 0):
@@ -66,8 +75,13 @@ class TokenData:
         self.stream: torch.Tensor | None = None
         self.examples: list[tuple[list[int], int]] | None = None  # (ids, prompt length)
         self.dropped = 0  # prompt/completion examples with no completion token within seq_len
+        self.trim = path == CLASSIFY  # batches as long as their longest row, not seq_len
         if path is None:
             self.stream = torch.tensor(_encode(tokenizer, bundled_text()), dtype=torch.long)
+        elif path == CLASSIFY:
+            records = classify_records()
+            _check_one_token_labels(tokenizer, records)
+            self._examples(tokenizer, path, records)
         elif _check_file(path).lower().endswith(".jsonl"):
             records = read_jsonl(path)
             if all("prompt" in r and "completion" in r for r in records):
@@ -107,7 +121,24 @@ class TokenData:
             ids = torch.stack([self.stream[s: s + self.seq_len] for s in starts.tolist()])
             return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
         picks = torch.randint(0, len(self.examples), (batch_size,), generator=g).tolist()
-        ids = torch.full((batch_size, self.seq_len), self.pad_id, dtype=torch.long)
+        return self._padded(picks, self.trim)
+
+    @property
+    def records(self) -> int:
+        """How many records the data holds: examples, or whole ``seq_len`` windows of a corpus."""
+        return len(self.examples) if self.examples is not None else self.stream.numel() // self.seq_len
+
+    def rows(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """A batch of the records ``indices``, padded (right) to its longest row."""
+        if self.stream is not None:
+            ids = torch.stack([self.stream[i * self.seq_len: (i + 1) * self.seq_len] for i in indices]) if indices \
+                else torch.zeros(0, self.seq_len, dtype=torch.long)  # (B, seq_len)
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+        return self._padded(indices, trim=True)
+
+    def _padded(self, picks: list[int], trim: bool) -> dict[str, torch.Tensor]:
+        longest = max((len(self.examples[i][0]) for i in picks), default=1)
+        ids = torch.full((len(picks), longest if trim else self.seq_len), self.pad_id, dtype=torch.long)  # (B, T)
         labels = torch.full_like(ids, IGNORE_INDEX)
         mask = torch.zeros_like(ids)
         for b, i in enumerate(picks):
@@ -156,6 +187,31 @@ def read_jsonl(path: str) -> list[dict]:
 def verses() -> list[str]:
     """The verses of the bundled text, in order."""
     return [m.group(1) for m in re.finditer(r"^\s+\d+ (.+)$", bundled_text(), flags=re.MULTILINE)]
+
+
+# the classification task: does someone speak in the verse (a word of speech in it)?
+SPEECH = re.compile(r"\b(said|saith|saying|spake)\b")
+CLASSIFY_QUESTION = "\nDoes someone speak? "
+CLASSIFY_LABELS = ("n", "y")  # (one token each for the byte-level tokenizer)
+
+
+def classify_records() -> list[dict]:
+    """The bundled verses as a two-class task, in the prompt/completion format:
+
+        {"prompt": "<verse>\nDoes someone speak? ", "completion": "y" | "n"}
+
+    "y" when the verse holds a word of speech (said, saith, saying, spake: 533 of the 1618 verses,
+    33%), a label read off the text so that it needs no annotation. The loss is the cross-entropy of
+    the label token under the LM head (the prompt's tokens are not scored)."""
+    return [{"prompt": v + CLASSIFY_QUESTION, "completion": CLASSIFY_LABELS[bool(SPEECH.search(v))]}
+            for v in verses()]
+
+
+def _check_one_token_labels(tokenizer, records: list[dict]) -> None:
+    for label in sorted({r["completion"] for r in records}):
+        if len(_encode(tokenizer, label)) != 1:
+            raise ValueError(f"--data {CLASSIFY}: the label {label!r} is {len(_encode(tokenizer, label))} tokens under "
+                             "this model's tokenizer; the task scores one label token")
 
 
 def _split(verse: str) -> tuple[str, str]:

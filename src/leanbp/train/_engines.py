@@ -8,6 +8,8 @@ load and export a checkpoint in its own format; the training loop (``_loop.py``)
     fsdp2    torch.distributed.checkpoint of the sharded model and optimizer state (``dcp/``),
              every rank writing its shards
     zero2/3  DeepSpeed's own checkpoint (``deepspeed/``), every rank writing its partitions
+    (dpzero) one process, no optimizer state: model.save_pretrained only (``--optimizer dpzero``,
+             whose step is ``_zo.py``'s; its state is the step count, in trainer_state.json)
 
 At the end of a run the engine exports an ordinary transformers checkpoint (``OUT/final``) that
 loads with ``from_pretrained`` whatever engine trained it.
@@ -115,6 +117,20 @@ class Engine:
 
     def close(self) -> None:
         """Release what the engine set up, once the run is done (called on every rank)."""
+
+
+class ZerothOrderEngine(Engine):
+    """One process and no optimizer state: DPZero's update needs only the step's seed and scalar,
+    and its privacy state lives in the loop's state (trainer_state.json)."""
+
+    def prepare(self, model: nn.Module, lr: float, weight_decay: float) -> None:
+        self.model = self.module = model
+
+    def save(self, folder: Path) -> None:
+        self.model.save_pretrained(folder)
+
+    def load(self, folder: Path) -> None:
+        pass  # (the weights were loaded from the checkpoint before prepare)
 
 
 class _Distributed(Engine):
@@ -263,13 +279,13 @@ class DeepSpeedEngine(_Distributed):
         return state if self.is_main else None
 
 
-def make_engine(name: str, device: torch.device) -> Engine:
+def make_engine(name: str, device: torch.device, optimizer: str = "adamw") -> Engine:
     if name not in ENGINES:
         raise ValueError(f"--engine must be one of {ENGINES}, got {name!r}")
     if name == "single":
         if several_processes():
             raise ValueError("this process is one of several (WORLD_SIZE > 1): choose --engine ddp, fsdp2, zero2 or zero3")
-        return Engine(device)
+        return ZerothOrderEngine(device) if optimizer == "dpzero" else Engine(device)
     if not launched_by_torchrun() and not dist.is_initialized():
         raise ValueError(f"--engine {name} runs one process per device: launch with `torchrun --nproc_per_node=N -m "
                          f"leanbp train ...` or pass --nproc N")

@@ -4,7 +4,9 @@
                  (approx, stream, the engine) -> one step at a time, a checkpoint every save_every
                  -> finish (export, plot)
 
-``--objective sft|dpo|grpo`` hands the prepared model to TRL's trainer instead (``_trl.py``).
+``--objective sft|dpo|grpo`` hands the prepared model to TRL's trainer instead (``_trl.py``);
+``--optimizer dpzero`` takes DPZero's private two-forward steps instead of backprop and AdamW
+(``_zo.py``), and stops early, saying so, where its privacy budget would be exceeded.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import math
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,17 +32,20 @@ from ._config import NonFiniteError, TrainConfig
 from ._data import TokenData, load_tokenizer
 from ._engines import Engine, make_engine
 from ._models import load_model
-from ._outputs import LossLog, plot_losses, prepare_run_folder, record_run
+from ._outputs import (LOG_HEADER, PRIVATE_LOG_HEADER, LossLog, StepResult, plot_losses, prepare_run_folder,
+                       record_run)
 from ._ranks import die_with_torchrun, launched_by_torchrun
 from ._run_lock import RunLock
 from ._trl import train_trl
+from ._zo import PrivateRun
 
 
 def train(cfg: TrainConfig, progress: bool = True) -> dict:
     """Run ``cfg``; returns the loop's state ({"step", "losses", "skipped", ...})."""
     if launched_by_torchrun():
         die_with_torchrun()  # (no rank outlives its launcher)
-    engine = make_engine(cfg.engine, _device(cfg.device))  # (joins the process group of a multi-process run)
+    # (joins the process group of a multi-process run)
+    engine = make_engine(cfg.engine, _device(cfg.device), cfg.optimizer)
     lock = RunLock(cfg.out)  # held by the main rank from before it reads OUT until the run ends
     try:
         return _run(cfg, engine, open_run(cfg, engine, lock), progress)
@@ -62,15 +66,21 @@ def _run(cfg: TrainConfig, engine: Engine, out: Path, progress: bool) -> dict:
     engine.prepare(model, cfg.lr, cfg.weight_decay)
     if resume_from is not None:
         engine.load(resume_from)
+    private = PrivateRun(cfg, model, data, state, engine.device) if cfg.optimizer == "dpzero" else None
     log = None
     if engine.is_main:
         record_run(out, cfg, engine.world)
-        log = LossLog(out, state["step"])
+        log = LossLog(out, state["step"], LOG_HEADER if private is None else PRIVATE_LOG_HEADER)
     bar = tqdm(range(state["step"], cfg.steps), initial=state["step"], total=cfg.steps,
                disable=not (progress and engine.is_main), desc="leanbp train", unit="step")
+    saved = state["step"]
     try:
         for step in bar:
-            result = train_step(cfg, engine, data, step)
+            if private is not None and (stop := private.budget_spent(step)):
+                state["stopped"] = stop
+                tqdm.write(stop, file=sys.stderr)
+                break
+            result = private.step(step, _lr_at(step, cfg)) if private else train_step(cfg, engine, data, step)
             if result.skip:
                 state["skipped"].append(step + 1)
                 if engine.is_main:
@@ -78,12 +88,17 @@ def _run(cfg: TrainConfig, engine: Engine, out: Path, progress: bool) -> dict:
             state["step"] = step + 1
             state["losses"].append(result.loss)
             if log is not None:
-                log.write(step + 1, result.loss, result.lr, result.tokens_per_s, result.peak_mib, result.activation_mib)
+                log.write(step + 1, result.loss, result.lr, result.tokens_per_s, result.peak_mib, result.activation_mib,
+                          result.epsilon)
             bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{result.tokens_per_s:.0f}",
                             peak_mib=f"{result.peak_mib:.0f}",
-                            **({"chunk": chunk_size_used(model)} if cfg.stream is not None else {}))
+                            **({"chunk": chunk_size_used(model)} if cfg.stream is not None else {}),
+                            **({"eps": f"{result.epsilon:.3f}"} if result.epsilon is not None else {}))
             if state["step"] % cfg.save_every == 0 or state["step"] == cfg.steps:
                 save_checkpoint(out, engine, state, cfg.keep)
+                saved = state["step"]
+        if state["step"] != saved:  # (a run stopped early by its privacy budget keeps its last step)
+            save_checkpoint(out, engine, state, cfg.keep)
     finally:
         bar.close()  # (so that a message of why the run stopped starts on a line of its own)
         if log is not None:
@@ -123,16 +138,6 @@ def load(cfg: TrainConfig, engine: Engine, out: Path):
         state = json.loads((resume_from / "trainer_state.json").read_text())
         state.setdefault("skipped", [])
     return model.to(engine.device).train(), state, resume_from
-
-
-@dataclass
-class StepResult:
-    loss: float  # nan for a skipped step
-    lr: float
-    tokens_per_s: float
-    peak_mib: float  # nan where the step was not measured
-    activation_mib: float
-    skip: str | None  # why the step made no update
 
 
 def train_step(cfg: TrainConfig, engine: Engine, data: TokenData, step: int) -> StepResult:

@@ -1,11 +1,13 @@
 """What a run leaves in its folder besides the checkpoints: ``run.json`` (what the run is, which a
-``--resume`` must match), the loss log ``train_log.csv`` and its plot ``loss.png``."""
+``--resume`` must match), the loss log ``train_log.csv`` (a row per step: ``StepResult``) and its
+plot ``loss.png``."""
 
 from __future__ import annotations
 
 import csv
 import io
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import _checkpoint as checkpoints
@@ -13,6 +15,20 @@ from ._config import TrainConfig
 from ._run_lock import RunLock
 
 LOG_HEADER = ["step", "loss", "lr", "tokens_per_s", "peak_mib", "activation_mib"]
+PRIVATE_LOG_HEADER = LOG_HEADER + ["epsilon"]  # --optimizer dpzero: the privacy spent after the step
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports (a row of train_log.csv)."""
+
+    loss: float  # nan for a skipped step
+    lr: float
+    tokens_per_s: float
+    peak_mib: float  # nan where the step was not measured
+    activation_mib: float
+    skip: str | None  # why the step made no update
+    epsilon: float | None = None  # dpzero: epsilon spent after this step
 
 
 def check_run_folder(cfg: TrainConfig, world: int = 1) -> None:
@@ -58,10 +74,10 @@ class LossLog:
     """``train_log.csv``, one row per step, flushed as it is written. Rows of steps after ``step``
     (written after the last checkpoint, before a crash) are dropped first: they are redone."""
 
-    def __init__(self, out: Path, step: int):
+    def __init__(self, out: Path, step: int, header: list[str] = LOG_HEADER):
         path = out / checkpoints.LOG
         rows = list(csv.reader(path.open())) if path.exists() else []
-        kept = [LOG_HEADER] + [r for r in rows[1:] if r and r[0].isdigit() and int(r[0]) <= step]
+        kept = [header] + [r for r in rows[1:] if r and r[0].isdigit() and int(r[0]) <= step]
         buffer = io.StringIO()
         csv.writer(buffer).writerows(kept)
         checkpoints.write_atomic(path, buffer.getvalue())
@@ -69,9 +85,9 @@ class LossLog:
         self._writer = csv.writer(self._file)
 
     def write(self, step: int, loss: float, lr: float, tokens_per_s: float, peak_mib: float,
-              activation_mib: float) -> None:
-        self._writer.writerow([step, f"{loss:.5f}", f"{lr:.3e}", f"{tokens_per_s:.1f}", f"{peak_mib:.1f}",
-                               f"{activation_mib:.1f}"])
+              activation_mib: float, epsilon: float | None = None) -> None:
+        row = [step, f"{loss:.5f}", f"{lr:.3e}", f"{tokens_per_s:.1f}", f"{peak_mib:.1f}", f"{activation_mib:.1f}"]
+        self._writer.writerow(row + ([] if epsilon is None else [f"{epsilon:.4f}"]))
         self._file.flush()
 
     def close(self) -> None:
