@@ -154,6 +154,8 @@ def chunk_attention(query, prefix_key, prefix_value, key, value, masks: ChunkMas
     than returned through autograd (the single-SDPA path, off CPU, still returns them).
     A ``softcap`` (Gemma2's attention-logit soft-capping) goes to the block-by-block kernel on
     every device: SDPA cannot cap its logits."""
+    if masks.exchange is not None:  # sequence parallel: every rank's chunk, this rank's heads
+        return masks.exchange.attention(query, masks.start, masks.end, scale, softcap)
     if softcap is not None:
         return softcap_chunk_attention(query, prefix_key, prefix_value, key, value, masks, scale, softcap, sink)
     if not uses_two_block_attention(query.device, masks.attention):

@@ -25,6 +25,7 @@ from ._masks import Documents, KeyKeep
 from ._module_call import call_through
 from ._moe import RouterStats
 from ._offload import HostStore, to_device, to_host
+from ._ulysses import HeadSplit, SequenceGroup
 
 
 def trainable(module: nn.Module) -> list[torch.Tensor]:
@@ -52,7 +53,8 @@ class DecoderOutput(NamedTuple):
 
 def decoder_layers(adapter: DecoderFamily, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None,
                    *, chunk_size: int | str, chunk_memory: int | None = None, attention: str = "blocks",
-                   offload: bool = False, router_stats: bool = False) -> DecoderOutput:
+                   offload: bool = False, router_stats: bool = False,
+                   sequence: SequenceGroup | None = None) -> DecoderOutput:
     """Every decoder layer of ``adapter``'s model, streamed, on the embedded input.
 
     ``chunk_size`` rows per chunk, or "auto" within ``chunk_memory`` bytes (``_chunking.py``);
@@ -62,7 +64,12 @@ def decoder_layers(adapter: DecoderFamily, input_ids=None, inputs_embeds=None, a
 
     Packed rows: with ``position_ids`` that restart inside a row and no ``attention_mask``, every
     document attends only to itself (transformers' rule); with an attention mask the position ids
-    only place RoPE, as in transformers."""
+    only place RoPE, as in transformers.
+
+    ``sequence``: sequence parallelism (``_ulysses.py``): the inputs are this rank's T/P rows of the
+    sequence (rank r: rows [r T/P, (r+1) T/P), the same count on every rank), ``attention_mask`` and
+    ``position_ids`` too (positions default to the rows' global ones); padding and documents are
+    read from the whole sequence's (gathered once per forward)."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids or inputs_embeds")
     hidden = adapter.embed_tokens()(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, H)
@@ -70,9 +77,12 @@ def decoder_layers(adapter: DecoderFamily, input_ids=None, inputs_embeds=None, a
         raise ValueError(f"input_ids must be (batch, seq) and inputs_embeds (batch, seq, hidden); got {tuple(hidden.shape)}")
     B, T = hidden.shape[:2]
     check_attention_mask(attention_mask, B, T)
+    if sequence is not None:  # (first: every later exchange assumes it)
+        sequence.check_same_rows(B, T)
     documents = None  # packed rows: read from position_ids passed without a mask
     if position_ids is None:
-        position_ids = torch.arange(T, device=hidden.device).unsqueeze(0)  # (1, T): one document per row
+        first = sequence.offset(T) if sequence is not None else 0
+        position_ids = torch.arange(first, first + T, device=hidden.device).unsqueeze(0)  # (1, T): one document per row
     else:
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)
@@ -81,14 +91,23 @@ def decoder_layers(adapter: DecoderFamily, input_ids=None, inputs_embeds=None, a
                 f"position_ids must have shape (batch or 1, seq) = ({B}, {T}), got {tuple(position_ids.shape)}")
         position_ids = position_ids.to(hidden.device)
         if attention_mask is None:
-            documents = Documents.from_position_ids(position_ids, B)
+            whole = position_ids if sequence is None else sequence.all_gather_rows(position_ids.expand(B, -1))
+            documents = Documents.from_position_ids(whole, B)
     rope = adapter.position_embeddings(hidden, position_ids)  # per layer (``RotaryRows``: per chunk when it can)
+    if sequence is not None and attention_mask is not None:  # (the keys every rank's queries may see)
+        attention_mask = sequence.all_gather_rows(attention_mask)
     key_keep = KeyKeep.from_attention_mask(attention_mask, hidden.device)  # (one host read per forward)
     stats = RouterStats(None if key_keep is None else key_keep.mask, B, T) if router_stats else None
     autocast = AutocastState(hidden.device.type)
     sdpa = SdpaSwitches()  # (replayed around the layers' recompute, as autocast is)
     rows = pick_chunk_rows(chunk_size, chunk_memory, adapter, hidden, attention)
     check_layers(adapter.layers())
+    heads = None
+    if sequence is not None:
+        _check_sequence_parallel(sequence, rope, offload, stats)
+        config = adapter.config
+        heads = HeadSplit(config.num_attention_heads,
+                          getattr(config, "num_key_value_heads", None) or config.num_attention_heads, sequence.size)
     # (without a graph nothing is kept for backward: nothing to offload)
     store = HostStore(hidden.device) if offload and torch.is_grad_enabled() else None
     if store is not None:  # Memory: the layer boundaries and their gradients wait on the host
@@ -99,12 +118,25 @@ def decoder_layers(adapter: DecoderFamily, input_ids=None, inputs_embeds=None, a
                          softcap=adapter.attention_softcap(i), rope=rope[i], key_keep=key_keep,
                          documents=documents, chunk_size=rows, autocast=autocast, router=router,
                          router_stats=stats if router is not None else None, offload=store, sdpa=sdpa,
-                         attention=attention)
+                         attention=attention, sequence=sequence, heads=heads)
         # the layer's own call runs the streamed layer, so engine hooks fire once per layer per step
         hidden = call_through(layer, partial(_streamed_layer, layer, call), hidden)
     if store is not None:  # the final norm and the head take the last layer's output whole
         hidden = to_device(hidden, store)
     return DecoderOutput(hidden, stats, rows)
+
+
+def _check_sequence_parallel(sequence: SequenceGroup, rope, offload: bool, stats) -> None:
+    """What sequence parallelism does not do yet (every rank raises alike: the same settings)."""
+    if offload:
+        raise NotImplementedError("sequence parallelism with offload=True is not supported yet")
+    if stats is not None:
+        raise NotImplementedError("sequence parallelism with the load-balancing loss (output_router_logits) is not "
+                                  "supported yet")
+    if any(getattr(r, "_table", None) is not None for r in rope):
+        raise NotImplementedError("sequence parallelism needs a rotary embedding whose angles depend on the position "
+                                  "only (default, linear, llama3, yarn); dynamic NTK and longrope scale by the longest "
+                                  "position of the whole sequence")
 
 
 def _streamed_layer(layer: nn.Module, call: LayerCall, hidden: torch.Tensor) -> torch.Tensor:

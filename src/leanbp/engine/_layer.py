@@ -31,6 +31,7 @@ from ._grads import AutocastState, GradSum
 from ._masks import ChunkMasks, Documents, KeyKeep, PrefixGradSink, key_start
 from ._moe import RouterStats
 from ._offload import HostStore, backward_reads
+from ._ulysses import Exchange, HeadSplit, SequenceGroup, gather_kv, scatter_kv_grads
 
 
 @dataclass
@@ -52,6 +53,10 @@ class LayerCall:
     # the attention kernels enabled in forward, replayed for the recompute and its backward
     sdpa: SdpaSwitches = field(default_factory=SdpaSwitches)
     attention: str = "blocks"  # how chunk attention applies its masks (``_masks.ATTENTION_MODES``)
+    # sequence parallelism (``_ulysses.py``): the group and its head split; the layer's rows are
+    # then this rank's T/P, while window, padding and documents are those of the whole sequence
+    sequence: SequenceGroup | None = None
+    heads: HeadSplit | None = None
 
     def chunks(self, length: int) -> list[tuple[int, int]]:
         return [(s, min(s + self.chunk_size, length)) for s in range(0, length, self.chunk_size)]
@@ -63,21 +68,48 @@ class LayerCall:
             begin = max(begin, min(self.documents.start_of(b, start) for b in range(len(self.documents.starts))))
         return begin
 
-    def chunk_out(self, hidden_c, prefix_key, prefix_value, start, end, sink=None):
+    def chunk_out(self, hidden_c, prefix_key, prefix_value, start, end, sink=None, exchange=None):
         """The ``LayerChunk`` (output, own key, own value, router logits) of rows [start, end);
-        prefix_* are K/V rows [key_begin(start), start), or None when that range is empty."""
-        masks = ChunkMasks(start, end, self.key_begin(start), self.window, self.key_keep, hidden_c.device,
-                           self.documents, self.attention)
+        prefix_* are K/V rows [key_begin(start), start), or None when that range is empty. With an
+        ``exchange`` (sequence parallel) the rows are local and the attention is the exchange's."""
+        if exchange is not None:
+            masks = ChunkMasks(start, end, start, None, None, hidden_c.device, exchange=exchange)
+        else:
+            masks = ChunkMasks(start, end, self.key_begin(start), self.window, self.key_keep, hidden_c.device,
+                               self.documents, self.attention)
         return self.adapter.chunk_forward(
             self.layer, hidden_c, prefix_key, prefix_value, *self.rope.rows(start, end), masks,
             sink, self.softcap, self.router if self.router_stats is not None else None,
         )
+
+    def global_masks(self, start: int, end: int, device) -> ChunkMasks:
+        """The masks of global rows [start, end) of a sequence-parallel layer."""
+        return ChunkMasks(start, end, self.key_begin(start), self.window, self.key_keep, device, self.documents,
+                          self.attention)
+
+    def local_key_value(self, hidden: torch.Tensor, chunks) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of every local row, (B, Hkv, n, D) each, chunk by chunk without a graph."""
+        parts = []
+        with torch.no_grad(), self.autocast():
+            for s, e in chunks:
+                parts.append(self.adapter.key_value(self.layer, hidden[:, s:e], *self.rope.rows(s, e)))
+        return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
+
+    def exchange(self, hidden: torch.Tensor, chunks, grad: bool) -> Exchange:
+        """The layer's sequence-parallel exchange: every row's K/V for this rank's heads (with the
+        sink of their gradients in backward)."""
+        key, value = gather_kv(self.sequence, self.heads, *self.local_key_value(hidden, chunks))
+        return Exchange(self.sequence, self.heads, key, value, hidden.shape[1],
+                        lambda g0, g1: self.global_masks(g0, g1, hidden.device),
+                        PrefixGradSink(key, value) if grad else None)
 
 
 class StreamedLayerFunction(torch.autograd.Function):
     @staticmethod
     @in_phase("layer forward")
     def forward(ctx, hidden: torch.Tensor, call: LayerCall, *params: torch.Tensor):
+        if call.sequence is not None:
+            return _sequence_parallel_forward(ctx, hidden, call, params)
         chunks = call.chunks(hidden.shape[1])
         if call.offload is not None:  # hidden and out are host tensors; chunks move to the device and back
             reader = call.offload.reader([(hidden, s, e) for s, e in chunks])
@@ -127,6 +159,8 @@ class StreamedLayerFunction(torch.autograd.Function):
     @in_phase("layer backward")
     def backward(ctx, grad_out: torch.Tensor, grad_prob_sum: torch.Tensor | None = None):
         call: LayerCall = ctx.call
+        if call.sequence is not None:
+            return _sequence_parallel_backward(ctx, grad_out)
         hidden, *params = ctx.saved_tensors
         T = hidden.shape[1]
         chunks = call.chunks(T)
@@ -214,3 +248,65 @@ class StreamedLayerFunction(torch.autograd.Function):
             call.offload.finish()  # dhidden is complete before autograd hands it on
         it = iter(grads.result())
         return (dhidden, None, *[next(it) if need else None for need in ctx.needs_input_grad[2:]])
+
+
+# -- sequence parallelism (``_ulysses.py``) ------------------------------------------------------
+
+def _sequence_parallel_forward(ctx, hidden: torch.Tensor, call: LayerCall, params) -> torch.Tensor:
+    """The layer on this rank's rows: every row's K/V for this rank's heads first (one exchange),
+    then chunk by chunk, every rank on the same chunk index together."""
+    chunks = call.chunks(hidden.shape[1])
+    with torch.no_grad():
+        exchange = call.exchange(hidden, chunks, grad=False)
+        out = torch.empty_like(hidden)  # Memory: the output (B, T/P, H) is the next layer's input
+        for s, e in chunks:
+            out[:, s:e] = call.chunk_out(hidden[:, s:e], None, None, s, e, exchange=exchange).out
+    del exchange  # Memory: the gathered K/V live for one layer's forward
+    ctx.save_for_backward(hidden, *params)
+    ctx.call = call
+    return out
+
+
+def _sequence_parallel_backward(ctx, grad_out: torch.Tensor):
+    """Each chunk recomputed and backpropagated through everything but its K/V projections (its
+    queries' gradient comes back through the exchange; dK/dV of every row it saw go into the sink);
+    then dK/dV return to the rows' ranks in one exchange and go through the K/V projections."""
+    call: LayerCall = ctx.call
+    hidden, *params = ctx.saved_tensors
+    chunks = call.chunks(hidden.shape[1])
+    need_input = ctx.needs_input_grad[0]
+    trainable = [p for p, need in zip(params, ctx.needs_input_grad[2:]) if need]
+    grads = GradSum(trainable)
+    grad_out = grad_out.contiguous()
+    exchange = call.exchange(hidden, chunks, grad=True)
+    # Memory: dL/dH_in[s:e] overwrites dL/dH_out[s:e] once chunk [s, e) has read it
+    dhidden = grad_out if need_input else None
+    for s, e in reversed(chunks):
+        hidden_c = hidden[:, s:e].detach().requires_grad_(need_input)
+        with torch.enable_grad(), call.autocast(), call.sdpa():
+            out_c = call.chunk_out(hidden_c, None, None, s, e, exchange=exchange).out
+        inputs = ([hidden_c] if need_input else []) + trainable
+        with call.sdpa():
+            g = list(torch.autograd.grad(out_c, inputs, grad_out[:, s:e], allow_unused=True))
+        if need_input:
+            dhidden[:, s:e] = g.pop(0)
+        grads.add(g)
+        del out_c, g
+    sink = exchange.sink
+    dkey = sink.dkey if sink.dkey is not None else torch.zeros_like(exchange.key)
+    dvalue = sink.dvalue if sink.dvalue is not None else torch.zeros_like(exchange.value)
+    del exchange, sink
+    dkey, dvalue = scatter_kv_grads(call.sequence, call.heads, dkey, dvalue, hidden.shape[1])  # (B, Hkv, T/P, D)
+    for s, e in chunks:  # the K/V projections of the local rows, with what every rank's queries sent
+        rows = hidden[:, s:e].detach().requires_grad_(need_input)
+        with torch.enable_grad(), call.autocast():
+            key_c, value_c = call.adapter.key_value(call.layer, rows, *call.rope.rows(s, e))
+        inputs = ([rows] if need_input else []) + trainable
+        g = list(torch.autograd.grad([key_c, value_c], inputs, [dkey[:, :, s:e].to(key_c.dtype),
+                                                                  dvalue[:, :, s:e].to(value_c.dtype)],
+                                     allow_unused=True))
+        if need_input:
+            dhidden[:, s:e] += g.pop(0)
+        grads.add(g)
+    it = iter(grads.result())
+    return (dhidden, None, *[next(it) if need else None for need in ctx.needs_input_grad[2:]])

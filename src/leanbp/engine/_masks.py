@@ -106,6 +106,9 @@ class ChunkMasks:
     device: torch.device
     documents: Documents | None = None
     attention: str = "blocks"
+    # sequence parallelism: the chunk's attention runs through the layer's head exchange
+    # (``_ulysses.Exchange``), its rows local, every mask by global position
+    exchange: object = None
 
     def segment(self, start: int, end: int, key_begin: int, rows: slice = slice(None)) -> "ChunkMasks":
         """The masks of rows [start, end) of this chunk (in batch rows ``rows``), a piece that lies in

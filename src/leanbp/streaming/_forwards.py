@@ -26,7 +26,8 @@ from torch import nn
 
 from ..distributed import gathers_per_call
 from ..engine import (IGNORE_INDEX, AutocastState, HeadCall, LogitTransform, check_attention_mask, cross_entropy,
-                      decoder_layers, rowwise, shift_labels, token_stats, trainable)
+                      decoder_layers, rowwise, shift_labels, shift_labels_across, sum_over_group, token_stats,
+                      trainable)
 from ._fused_head import fused_head_spec, fused_output
 from ._state import StreamState, causal_lm_of, state_of
 
@@ -144,9 +145,17 @@ def _decoder(state: StreamState, arguments: dict, router_stats: bool = False):
     config = state.config
     out = decoder_layers(state.adapter, **_data(arguments), chunk_size=config.chunk_size,
                          chunk_memory=config.chunk_memory, attention=config.attention, offload=config.offload,
-                         router_stats=router_stats)
+                         router_stats=router_stats, sequence=state.sequence)
     state.last_chunk_rows = out.chunk_rows
     return out
+
+
+def _targets(state: StreamState, labels: torch.Tensor) -> torch.Tensor:
+    """Row t's target is label t + 1 of the whole sequence (under sequence parallelism, the next
+    rank's first label for this rank's last row)."""
+    if state.sequence is None:
+        return shift_labels(labels)
+    return shift_labels_across(state.sequence, labels, IGNORE_INDEX)
 
 
 def _check_targets(arguments: dict, targets: torch.Tensor) -> None:
@@ -233,10 +242,12 @@ def _labels_forward(lm: nn.Module, state: StreamState, arguments: dict, with_aux
     labels = arguments["labels"]
     _check_targets(arguments, labels)
     hidden, norm, scratch, router_stats = _hidden_for_head(lm, state, arguments, router_stats=with_aux)
-    targets = shift_labels(labels.to(hidden.device))
-    denominator = arguments.get("num_items_in_batch")
+    targets = _targets(state, labels.to(hidden.device))
+    denominator = arguments.get("num_items_in_batch")  # (under sequence parallelism: the whole sequence's)
     if denominator is None:
         denominator = (targets != IGNORE_INDEX).sum()
+        if state.sequence is not None:
+            denominator = state.sequence.all_reduce_sum(denominator)
     elif torch.is_tensor(denominator):
         denominator = denominator.to(hidden.device)
     lm_head = state.adapter.lm_head()
@@ -245,6 +256,8 @@ def _labels_forward(lm: nn.Module, state: StreamState, arguments: dict, with_aux
                     autocast=AutocastState(hidden.device.type), transform=state.adapter.logit_transform(),
                     input_is_scratch=scratch and grad)
     loss = cross_entropy(hidden, call, denominator, partial(_head_params, norm, lm_head))
+    if state.sequence is not None:  # the whole sequence's loss on every rank; each backpropagates its rows' share
+        loss = sum_over_group(loss, state.sequence)
     logits = None
     if not grad and not lm.training and state.config.eval_logits:
         with call.autocast():
@@ -265,7 +278,9 @@ def token_log_probs(model: nn.Module, labels: torch.Tensor, *, input_ids=None, i
                     ) -> dict[str, torch.Tensor]:
     """Per-token log-probabilities of the next-token ``labels`` under a streamed model, as (B, T)
     tensors with a real backward: row t is scored against ``labels[:, t + 1]``, as in a causal-LM
-    loss; rows whose next label is -100 (and the last row) are 0. Any objective built on them (DPO,
+    loss; rows whose next label is -100 (and the last row) are 0. Under sequence parallelism the
+    inputs, labels and results are this rank's rows; sums over a sequence go through
+    ``sequence_sum``. Any objective built on them (DPO,
     GRPO, a weighted SFT loss) gets exact gradients; neither the decoder's activations nor the
     logits are kept for all T.
 
@@ -278,7 +293,7 @@ def token_log_probs(model: nn.Module, labels: torch.Tensor, *, input_ids=None, i
     arguments = dict(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                      position_ids=position_ids)
     transform = replace(state.adapter.logit_transform(), temperature=temperature)
-    return _token_stats(lm, state, arguments, shift_labels(labels), transform, False, tuple(stats))[0]
+    return _token_stats(lm, state, arguments, _targets(state, labels), transform, False, tuple(stats))[0]
 
 
 def _token_stats(lm: nn.Module, state: StreamState, arguments: dict, targets: torch.Tensor,
@@ -297,6 +312,9 @@ def _token_stats(lm: nn.Module, state: StreamState, arguments: dict, targets: to
 def _fused_head_forward(lm: nn.Module, state: StreamState, spec, arguments: dict, with_aux: bool):
     """TRL's ``fused_lm_head=True`` call, answered by leanbp's chunked per-token head with TRL's
     settings (temperature, logit scale, soft-capping, fp32 head, requested outputs)."""
+    if state.sequence is not None:
+        raise NotImplementedError("TRL's fused-head calls with sequence_parallel are not supported yet: TRL's "
+                                  "trainers score rows by their position in the whole sequence")
     pre_shifted = arguments.get("shift_labels")
     targets = pre_shifted if pre_shifted is not None else shift_labels(arguments["labels"])
     stats, aux_loss = _token_stats(lm, state, arguments, targets, spec.transform, spec.fp32_head, spec.outputs,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..engine import SequenceGroup
 from ..models import FamilyAdapter
 from ._config import StreamConfig, StreamWarning
 
@@ -22,6 +23,8 @@ class StreamState:
     # the rows per chunk of the last call that streamed its layers: a report for the user
     # (``chunk_size_used``); each call takes what it chose from the engine's return value
     last_chunk_rows: int | None = None
+    # sequence parallelism: the processes that share each sequence (None: this process holds it whole)
+    sequence: SequenceGroup | None = None
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:

@@ -15,7 +15,7 @@ from torch import nn
 
 from .._patching import install, installed, uninstall
 from ..distributed import prepare_for_engines
-from ..engine import unroute
+from ..engine import SequenceGroup, unroute
 from ..models import adapter_for
 from ._config import StreamConfig
 from ._forwards import CHECKPOINTING_IGNORED, backbone_forward, checkpointing, lm_forward
@@ -53,7 +53,8 @@ def chunk_size_used(model: nn.Module) -> int | None:
 _OLD_POSITIONAL = ("chunk_size", "head_chunk_size", "layers", "eval_logits", "chunk_memory", "offload")
 
 
-def stream(model: nn.Module, config: StreamConfig | None = None, *old_positional, **overrides) -> nn.Module:
+def stream(model: nn.Module, config: StreamConfig | None = None, *old_positional, sequence_parallel=None,
+           **overrides) -> nn.Module:
     """Make the decoder of ``model`` run exact StreamBP whenever it builds a graph.
 
     ``model`` is a transformers causal LM, or a PEFT / DDP / accelerate wrapper of one, before or
@@ -61,8 +62,14 @@ def stream(model: nn.Module, config: StreamConfig | None = None, *old_positional
     keyword ``overrides`` of its fields (``chunk_size=2048``, ``offload=True``, ...) say how.
     Calls with ``labels`` return ``loss`` (and ``logits=None`` in training); TRL's fused-head calls
     return per-token log-probs; both are chunked. Returns ``model``. Undo with :func:`unstream`.
+
+    ``sequence_parallel``: a process group (or ``True``: the default group) whose ranks share each
+    sequence, Ulysses-style (``leanbp.engine._ulysses``): every rank passes its own T/P consecutive
+    rows of the inputs and labels (``sequence_rows``), the loss is the whole sequence's on every
+    rank, and ``reduce_sequence_gradients(model)`` sums the gradients over the group once per step.
     """
     config = resolve_config(config, overrides, old_positional, _OLD_POSITIONAL)
+    sequence = _sequence_group(sequence_parallel, config)
     lm = causal_lm_of(model)
     if state_of(lm) is not None:
         if installed(lm, "forward", lm_forward):
@@ -79,7 +86,7 @@ def stream(model: nn.Module, config: StreamConfig | None = None, *old_positional
         )
     if config.layers:  # (before anything is installed: a refusal leaves the model as it was)
         prepare_for_engines(adapter.layers(), [adapter.final_norm(), adapter.lm_head()])
-    state = StreamState(config=config, adapter=adapter)
+    state = StreamState(config=config, adapter=adapter, sequence=sequence)
     if config.layers and checkpointing(adapter):
         state.warn_once("checkpointing", CHECKPOINTING_IGNORED)
     setattr(lm, ATTRIBUTE, state)
@@ -90,6 +97,14 @@ def stream(model: nn.Module, config: StreamConfig | None = None, *old_positional
         setattr(backbone, ATTRIBUTE, state)
         install(backbone, "forward", backbone_forward)
     return model
+
+
+def _sequence_group(sequence_parallel, config: StreamConfig) -> SequenceGroup | None:
+    if sequence_parallel is None or sequence_parallel is False:
+        return None
+    if not config.layers:
+        raise ValueError("sequence_parallel splits the streamed layers' rows: it needs layers=True")
+    return SequenceGroup.of(None if sequence_parallel is True else sequence_parallel)
 
 
 def resolve_config(config, overrides: dict, old_positional: tuple = (), old_names: tuple = ()) -> StreamConfig:

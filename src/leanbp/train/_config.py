@@ -75,6 +75,11 @@ class TrainConfig:
                           help="single: one process (the default); ddp | fsdp2 | zero2 | zero3 (DeepSpeed ZeRO): one "
                                "process per device, each on its own micro-batches, launched by --nproc N or torchrun "
                                "(where ddp is the default)")
+    sp: int = setting(1, metavar="P",
+                      help="sequence parallelism: P ranks share each sequence, each holding --seq-len / P rows "
+                           "(Ulysses' head exchange inside every streamed layer); P divides the ranks, and each group "
+                           "of P consecutive ranks trains on the same micro-batches (--objective lm, streamed, no "
+                           "offload; see docs/multi-gpu.md)")
     optimizer: str = setting("adamw", choices=OPTIMIZERS,
                              help="adamw: backprop and AdamW; dpzero: differentially private zeroth-order steps (two "
                                   "forwards, no backward; Poisson-sampled batches of --batch-size x --grad-accum "
@@ -126,6 +131,10 @@ class TrainConfig:
             raise ValueError(f"--data {CLASSIFY} is a task for --objective lm (a prompt and one label token)")
         if self.optimizer == "dpzero":
             _check_dpzero(self)
+        if self.sp < 1:
+            raise ValueError(f"--sp must be >= 1, got {self.sp}")
+        if self.sp > 1:
+            _check_sequence_parallel(self)
 
     def settings(self, world: int = 1) -> dict:
         """What the run is, flat (run.json; a --resume must match it): every setting, the stream's
@@ -133,6 +142,24 @@ class TrainConfig:
         flat = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "stream"}
         streamed = self.stream is not None
         return {**flat, **vars(self.stream if streamed else StreamConfig()), "stream": streamed, "world_size": world}
+
+
+def _check_sequence_parallel(cfg: "TrainConfig") -> None:
+    """What --sp P needs, said before any process starts."""
+    if cfg.engine == "single":
+        raise ValueError(f"--sp {cfg.sp} spreads each sequence over {cfg.sp} ranks: launch several with --nproc N "
+                         "--engine ddp (or fsdp2, zero2, zero3)")
+    if cfg.stream is None:
+        raise ValueError("--sp runs inside the streamed layers: leave streaming on (no --no-stream)")
+    if cfg.stream.offload:
+        raise ValueError("--sp with --offload is not supported yet")
+    if not cfg.stream.layers:
+        raise ValueError("--sp splits the streamed layers' rows: it needs StreamConfig(layers=True)")
+    if cfg.optimizer != "adamw":
+        raise ValueError(f"--sp trains with backprop (--optimizer adamw), got --optimizer {cfg.optimizer}")
+    if cfg.seq_len % cfg.sp:
+        raise ValueError(f"--seq-len {cfg.seq_len} does not split over --sp {cfg.sp} ranks: choose a multiple of "
+                         f"{cfg.sp}")
 
 
 def _check_dpzero(cfg: TrainConfig) -> None:

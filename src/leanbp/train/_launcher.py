@@ -33,6 +33,8 @@ def check_run(cfg: TrainConfig, world: int) -> None:
     """Raise what a run of ``cfg`` on ``world`` processes would refuse, touching nothing: the model,
     its tokenizer and the data load (the weights are not read), the run folder can be used."""
     RunLock.check_free(Path(cfg.out))  # (first: a live run there is the one thing to say)
+    if world % cfg.sp:
+        raise ValueError(f"--sp {cfg.sp} must divide --nproc {world}: each group of {cfg.sp} ranks shares a sequence")
     config = model_config(cfg.model, cfg.seq_len)
     tokenizer = load_tokenizer(cfg.model, config.vocab_size)
     if cfg.objective == "lm":

@@ -19,6 +19,8 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 import transformers
 from tqdm import tqdm
 
@@ -26,7 +28,7 @@ from .._dtypes import dtype_named
 from ..approx import approx, variant_settings
 from ..engine import IGNORE_INDEX
 from ..memory import track
-from ..streaming import chunk_size_used, stream
+from ..streaming import chunk_size_used, sequence_rows, stream
 from . import _checkpoint as checkpoints
 from ._config import NonFiniteError, TrainConfig
 from ._data import TokenData, load_tokenizer
@@ -62,7 +64,7 @@ def _run(cfg: TrainConfig, engine: Engine, out: Path, progress: bool) -> dict:
         return train_trl(cfg, model, tokenizer, progress=progress)
     data = TokenData(tokenizer, cfg.data, cfg.seq_len, seed=cfg.seed)
     if cfg.stream is not None:
-        stream(model, cfg.stream)
+        stream(model, cfg.stream, sequence_parallel=_sequence_group(cfg, engine))
     engine.prepare(model, cfg.lr, cfg.weight_decay)
     if resume_from is not None:
         engine.load(resume_from)
@@ -140,16 +142,41 @@ def load(cfg: TrainConfig, engine: Engine, out: Path):
     return model.to(engine.device).train(), state, resume_from
 
 
+def _sequence_group(cfg: TrainConfig, engine: Engine):
+    """--sp P: the process group of this rank's P consecutive ranks (every rank makes every group, as
+    ``new_group`` requires), or None."""
+    if cfg.sp == 1:
+        return None
+    if engine.world % cfg.sp:
+        raise ValueError(f"--sp {cfg.sp} must divide the number of processes, {engine.world}")
+    groups = [dist.new_group(list(range(first, first + cfg.sp))) for first in range(0, engine.world, cfg.sp)]
+    return groups[engine.rank // cfg.sp]
+
+
+def _own_rows(model, batch: dict[str, torch.Tensor], sp: int) -> dict[str, torch.Tensor]:
+    """--sp: this rank's rows of a batch, padded first to a multiple of P (no label, masked out)."""
+    pad = -batch["input_ids"].shape[1] % sp
+    if pad:
+        fill = {"input_ids": 0, "attention_mask": 0, "labels": IGNORE_INDEX}
+        batch = {k: F.pad(v, (0, pad), value=fill[k]) for k, v in batch.items()}
+    return {k: sequence_rows(model, v) for k, v in batch.items()}
+
+
 def train_step(cfg: TrainConfig, engine: Engine, data: TokenData, step: int) -> StepResult:
     """One optimizer step: each rank's micro-batches, forward and backward, clip, step (or skip)."""
     device = engine.device
     lr = _lr_at(step, cfg)
     engine.set_lr(lr)
-    # each rank its own micro-batches (rank 0 of one process: the same as ever)
-    batches = [data.batch(step, engine.rank * cfg.grad_accum + m, cfg.batch_size) for m in range(cfg.grad_accum)]
+    # each rank its own micro-batches (rank 0 of one process: the same as ever); under --sp, each
+    # group of P ranks the same ones, of which each rank takes its rows
+    shard = engine.rank // cfg.sp
+    batches = [data.batch(step, shard * cfg.grad_accum + m, cfg.batch_size) for m in range(cfg.grad_accum)]
     # transformers' convention: every micro-batch divides by the step's total label count; the
-    # engines average gradients over ranks, so each rank divides by that count / world size
-    n_items = int(engine.sum(sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches)))
+    # engines average gradients over ranks, so each rank divides by that count / world size (under
+    # --sp the P ranks of a group each count their group's batches: the sum counts them P times;
+    # each rank's loss is its group's, of which its backward carries its rows' share, and the
+    # engine's average of the ranks' gradients sums the shares)
+    n_items = int(engine.sum(sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches))) // cfg.sp
     denominator = (torch.tensor(n_items, device=device) if engine.world == 1 else
                    torch.tensor(n_items / engine.world,
                                 dtype=torch.promote_types(dtype_named(cfg.dtype), torch.float32), device=device))
@@ -158,19 +185,21 @@ def train_step(cfg: TrainConfig, engine: Engine, data: TokenData, step: int) -> 
     if n_items:
         with track(engine.model, device=device) if _trackable(engine) else nullcontext() as mem:
             for b in batches:
+                if cfg.sp > 1:
+                    b = _own_rows(engine.model, b, cfg.sp)
                 b = {k: v.to(device) for k, v in b.items()}
                 loss = engine.module(**b, num_items_in_batch=denominator).loss
                 engine.backward(loss)
                 loss_sum += loss.item()
         grad_norm = engine.clip()
-    loss_sum = engine.sum(loss_sum) / engine.world
+    loss_sum = engine.sum(loss_sum) / engine.world / cfg.sp  # (the P ranks of a group each hold its loss)
     skip = _skip_reason(step, n_items, loss_sum, grad_norm, cfg.skip_nonfinite)
     if skip:
         engine.skip()
     else:
         engine.step()
     seconds = time.perf_counter() - t0
-    tokens = engine.sum(sum(int(b["attention_mask"].sum()) for b in batches))
+    tokens = engine.sum(sum(int(b["attention_mask"].sum()) for b in batches)) / cfg.sp
     report = mem.report.as_mib() if mem is not None else {"peak": float("nan"), "activations": float("nan")}
     return StepResult(loss=loss_sum if not skip else float("nan"), lr=lr, tokens_per_s=tokens / seconds,
                       peak_mib=report["peak"], activation_mib=report["activations"], skip=skip)

@@ -1,0 +1,275 @@
+"""Sequence parallelism inside the streamed layer: DeepSpeed-Ulysses' head exchange around the
+chunk attention, so that one sequence spreads over P processes.
+
+Each rank of the sequence-parallel group holds T/P consecutive rows of every layer boundary (rank
+r: global rows [r T/P, (r+1) T/P)). Attention needs every earlier row, so the exchange swaps the
+split: for the attention only, a rank holds *all* rows of a group of heads (H/P query heads and
+their K/V heads), and every rank computes attention for its heads over the whole sequence.
+
+A streamed layer on rank r, forward:
+
+    1. K/V of the local rows, chunk by chunk (no graph) -> one all-to-all -> K/V of all T rows for
+       the rank's K/V heads, (B, Hkv/P, T, D) (K/V heads are replicated when Hkv < P, as Ulysses
+       does; each rank then holds one)
+    2. for each chunk i of the local rows, on every rank in step: queries of the chunk ->
+       all-to-all -> the rank's query heads for chunk i of *every* rank (P blocks of c rows, each
+       at its global position) -> causal chunk attention of each block against the K/V rows it may
+       see (the existing (out, lse) kernels, by global position: padding, windows and packed
+       documents as in one process) -> the inverse all-to-all -> the chunk's output for all heads
+       -> o_proj, norms and the MLP on the local rows.
+
+Backward mirrors it: step 1 again with a sink for dK/dV of all T rows of the rank's heads; each
+chunk recomputed and backpropagated (its queries' gradient comes back by the inverse exchange;
+dK/dV of every row it saw goes into the sink); then one all-to-all returns dK/dV to the ranks that
+own the rows, and each rank backpropagates them through its K/V projections, chunk by chunk.
+
+Every rank does all queries for its heads, so the attention work is balanced by construction (no
+causal load imbalance); the exchanges carry the K/V once per layer each way and each chunk's
+queries and outputs once each way, as DeepSpeed's Ulysses does for the whole sequence at once.
+The parameters' gradients of each rank are those of its own rows: a loss built from several ranks'
+rows takes its sums through ``sum_over_group`` (the value of the whole sequence on every rank, the
+gradient of this rank's share), and the gradients are summed over the group once per step
+(``reduce_gradients``), as data parallelism averages them. Labels are shifted by global position
+(``shift_labels_across``): a rank's last row is scored against the next rank's first label.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ._attention import chunk_attention
+from ._masks import ChunkMasks, PrefixGradSink
+
+
+@dataclass(frozen=True)
+class SequenceGroup:
+    """The processes that share one sequence: ``group`` (None: the default group), this process's
+    rank in it, and the group's size P."""
+
+    group: object
+    rank: int
+    size: int
+
+    @staticmethod
+    def of(group=None) -> "SequenceGroup":
+        if not dist.is_initialized():
+            raise RuntimeError("sequence_parallel needs torch.distributed initialized (torchrun, or "
+                               "init_process_group) with the sequence-parallel ranks in one group")
+        return SequenceGroup(group, dist.get_rank(group), dist.get_world_size(group))
+
+    def offset(self, local_rows: int) -> int:
+        """Global row of this rank's first local row."""
+        return self.rank * local_rows
+
+    def check_same_rows(self, batch: int, rows: int) -> None:
+        """Every rank holds the same (batch, rows), else every rank raises the same error."""
+        shapes = [None] * self.size
+        dist.all_gather_object(shapes, (batch, rows), group=self.group)
+        if len(set(shapes)) != 1:
+            raise ValueError(f"sequence parallelism needs the same batch and number of rows on every rank (a sequence "
+                             f"whose length is a multiple of {self.size}); the ranks hold (batch, rows) {shapes}: pad "
+                             "the sequence (labels -100, attention mask 0)")
+
+    def all_gather_rows(self, local: torch.Tensor) -> torch.Tensor:
+        """(B, T/P, ...) on every rank -> (B, T, ...), the ranks' rows in order."""
+        parts = [torch.empty_like(local) for _ in range(self.size)]
+        dist.all_gather(parts, local.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    def exchange(self, send: torch.Tensor) -> torch.Tensor:
+        """All-to-all along dim 0: send[p] goes to rank p; the result's [q] came from rank q."""
+        send = send.contiguous()
+        out = torch.empty_like(send)
+        dist.all_to_all_single(out, send, group=self.group)
+        return out
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """Which heads each rank attends with: query heads [p Hq/P, (p+1) Hq/P) and the K/V heads they
+    use, a range of Hkv/P heads, or one head shared by P/Hkv ranks when Hkv < P."""
+
+    q_heads: int
+    kv_heads: int
+    size: int
+
+    def __post_init__(self):
+        if self.q_heads % self.size:
+            raise ValueError(f"sequence parallelism over {self.size} ranks splits the {self.q_heads} query heads: "
+                             "the group size must divide the number of query heads")
+        if self.kv_heads % self.size and self.size % self.kv_heads:
+            raise ValueError(f"{self.kv_heads} K/V heads over {self.size} ranks: the group size must divide the K/V "
+                             "heads or be a multiple of them")
+
+    @property
+    def kv_per_rank(self) -> int:
+        return max(1, self.kv_heads // self.size)
+
+    def kv_of(self, p: int) -> slice:
+        """The K/V heads rank ``p`` attends with."""
+        if self.kv_heads >= self.size:
+            return slice(p * self.kv_per_rank, (p + 1) * self.kv_per_rank)
+        head = p // (self.size // self.kv_heads)
+        return slice(head, head + 1)
+
+
+def gather_kv(sp: SequenceGroup, heads: HeadSplit, key: torch.Tensor, value: torch.Tensor):
+    """Local K/V (B, Hkv, T/P, D) -> K/V of every row for this rank's heads, (B, Hkv/P, T, D)."""
+    out = []
+    for x in (key, value):
+        B, _, n, D = x.shape
+        send = torch.stack([x[:, heads.kv_of(p)] for p in range(sp.size)])  # (P, B, Hkv/P, T/P, D)
+        recv = sp.exchange(send)  # [q]: rank q's rows
+        out.append(recv.permute(1, 2, 0, 3, 4).reshape(B, heads.kv_per_rank, sp.size * n, D))
+    return out
+
+
+def scatter_kv_grads(sp: SequenceGroup, heads: HeadSplit, dkey: torch.Tensor, dvalue: torch.Tensor, local_rows: int):
+    """dK/dV of every row for this rank's heads (B, Hkv/P, T, D) -> dK/dV of the local rows for all
+    heads (B, Hkv, T/P, D), summed over the ranks that share a replicated head."""
+    out = []
+    for d in (dkey, dvalue):
+        B, h, _, D = d.shape
+        send = d.view(B, h, sp.size, local_rows, D).permute(2, 0, 1, 3, 4)  # (P, B, Hkv/P, T/P, D): [q] = rank q's rows
+        recv = sp.exchange(send)  # [p]: my rows, rank p's heads
+        full = d.new_zeros(B, heads.kv_heads, local_rows, D)
+        for p in range(sp.size):
+            full[:, heads.kv_of(p)] += recv[p]
+        out.append(full)
+    return out
+
+
+@dataclass
+class Exchange:
+    """The sequence-parallel state of one streamed layer call, for its chunk attention: the group,
+    the head split, every row's K/V for this rank's heads (and the sink of their gradients in
+    backward), and how to build each block's masks by global position."""
+
+    sp: SequenceGroup
+    heads: HeadSplit
+    key: torch.Tensor  # (B, Hkv/P, T, D)
+    value: torch.Tensor
+    local_rows: int
+    masks_of: object  # (global start, global end) -> ChunkMasks
+    sink: PrefixGradSink | None = None
+
+    def attention(self, query: torch.Tensor, start: int, end: int, scale: float, softcap: float | None):
+        """query (B, Hq, c, D) of the local rows [start, end) -> their attention output, (B, Hq, c, D)."""
+        return _UlyssesAttention.apply(query, self, start, end, scale, softcap)
+
+
+def _blocks(ex: Exchange, q_blocks: torch.Tensor, start: int, end: int, scale: float, softcap, grad: bool):
+    """Attention of each received block (rank q's chunk rows, this rank's heads) against the K/V rows
+    it may see; (outputs, the own-block K/V leaves per block, when ``grad``)."""
+    outs, leaves = [], []
+    for q in range(ex.sp.size):
+        g0, g1 = q * ex.local_rows + start, q * ex.local_rows + end  # the block's global rows
+        masks = ex.masks_of(g0, g1)
+        kb = masks.key_begin
+        prefix_key = prefix_value = None
+        if g0 > kb:
+            prefix_key, prefix_value = ex.key[:, :, kb:g0], ex.value[:, :, kb:g0]
+            if grad:  # (leaves: the two-block attention sends their gradient into the sink)
+                prefix_key, prefix_value = prefix_key.detach().requires_grad_(), prefix_value.detach().requires_grad_()
+        own_key, own_value = ex.key[:, :, g0:g1], ex.value[:, :, g0:g1]
+        if grad:
+            own_key, own_value = own_key.detach().requires_grad_(), own_value.detach().requires_grad_()
+            leaves.append((g0, g1, own_key, own_value, kb, prefix_key, prefix_value))
+        outs.append(chunk_attention(q_blocks[q], prefix_key, prefix_value, own_key, own_value, masks, scale,
+                                    ex.sink if grad else None, softcap=softcap))
+    return outs, leaves
+
+
+class _UlyssesAttention(torch.autograd.Function):
+    """The local chunk's queries -> exchange -> attention of every rank's chunk for this rank's heads
+    -> inverse exchange -> the local chunk's output. Every rank calls it for the same chunk index."""
+
+    @staticmethod
+    def forward(ctx, query, ex: Exchange, start: int, end: int, scale: float, softcap):
+        B, Hq, c, D = query.shape
+        P = ex.sp.size
+        # (P, B, Hq/P, c, D): [p] = my rows for rank p's heads -> [q] = rank q's rows for my heads
+        q_blocks = ex.sp.exchange(query.view(B, P, Hq // P, c, D).transpose(0, 1))
+        if ex.sink is not None:  # (the backward's recompute: a graph to backpropagate at once)
+            q_blocks = q_blocks.detach().requires_grad_()
+            with torch.enable_grad():
+                outs, leaves = _blocks(ex, q_blocks, start, end, scale, softcap, grad=True)
+            ctx.q_blocks, ctx.outs, ctx.leaves, ctx.ex = q_blocks, outs, leaves, ex
+        else:
+            with torch.no_grad():
+                outs, _ = _blocks(ex, q_blocks, start, end, scale, softcap, grad=False)
+        back = ex.sp.exchange(torch.stack(outs))  # [p]: my rows, rank p's heads
+        return back.transpose(0, 1).reshape(B, Hq, c, D)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ex: Exchange = ctx.ex
+        B, Hq, c, D = grad_out.shape
+        P = ex.sp.size
+        d_blocks = ex.sp.exchange(grad_out.contiguous().view(B, P, Hq // P, c, D).transpose(0, 1))
+        own = [t for g0, g1, k, v, *_ in ctx.leaves for t in (k, v)]
+        prefix = [t for *_, pk, pv in ctx.leaves for t in (pk, pv) if t is not None]
+        inputs = [ctx.q_blocks, *own, *prefix]
+        grads = torch.autograd.grad(ctx.outs, inputs, list(d_blocks), allow_unused=True)
+        dq_blocks, own_grads = grads[0], grads[1: 1 + len(own)]
+        prefix_grads = iter(grads[1 + len(own):])
+        for i, (g0, g1, _, _, kb, pk, _) in enumerate(ctx.leaves):
+            dk, dv = own_grads[2 * i], own_grads[2 * i + 1]
+            if dk is not None:
+                ex.sink.add(g0, g1, dk, dv)
+            if pk is not None:  # (returned, not sunk, where the attention took the single-call path)
+                dpk, dpv = next(prefix_grads), next(prefix_grads)
+                if dpk is not None:
+                    ex.sink.add(kb, g0, dpk, dpv)
+        del ctx.outs, ctx.leaves
+        dq = ex.sp.exchange(dq_blocks)  # [p]: my rows' query gradient for rank p's heads
+        return dq.transpose(0, 1).reshape(B, Hq, c, D), None, None, None, None, None
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """Forward: the sum over the group, on every rank. Backward: the gradient passes unchanged to this
+    rank's share, so that the ranks' parameter gradients, summed by ``reduce_gradients``, are those of
+    the one objective (not P copies of it)."""
+
+    @staticmethod
+    def forward(ctx, t, sp: SequenceGroup):
+        return sp.all_reduce_sum(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def sum_over_group(t: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
+    """``t`` summed over the sequence-parallel group (see ``_SumOverGroup``)."""
+    return _SumOverGroup.apply(t, sp)
+
+
+def shift_labels_across(sp: SequenceGroup, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """This rank's rows of the whole sequence's shifted labels: row t is scored against label t + 1,
+    also where t + 1 lies on the next rank; the sequence's last row against nothing (``ignore_index``).
+    Costs one all-gather of the (B, T) labels (8 bytes a token)."""
+    n = labels.shape[1]
+    whole = sp.all_gather_rows(labels)
+    shifted = torch.cat([whole[:, 1:], whole.new_full((whole.shape[0], 1), ignore_index)], dim=1)
+    return shifted[:, sp.offset(n): sp.offset(n) + n]
+
+
+def reduce_gradients(parameters, group=None) -> None:
+    """Sum every parameter's gradient over the sequence-parallel group (each rank's are those of its
+    own rows), in place."""
+    for p in parameters:
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+
+
+__all__ = ["Exchange", "HeadSplit", "SequenceGroup", "gather_kv", "reduce_gradients", "scatter_kv_grads",
+           "shift_labels_across", "sum_over_group"]

@@ -1,0 +1,159 @@
+"""Sequence parallelism checked against one process: P CPU processes (gloo) share each sequence of
+a float64 model; the loss, and the gradients summed over the group, must equal plain autograd on
+the whole sequence in one process.
+
+``check_sequence_parallel(cases, world)`` spawns the processes once for a list of cases (their
+start-up is paid once) and returns one result per case: the loss of each rank and of the
+reference, and the worst relative gradient error over every parameter.
+
+Objectives: ``lm`` is the causal-LM loss of the model's labels call (the denominator counted over
+the whole sequence); ``pairwise`` is a DPO-shaped loss, nonlinear in per-sequence sums: the sum of
+each row's token log-probs (``token_log_probs``, summed over the group by ``sequence_sum``), then
+-logsigmoid((s0 - s1) / 10) for rows 0 and 1 (scaled to stay off the sigmoid's flat tails).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+OBJECTIVES = ("lm", "pairwise")
+
+
+@dataclass(frozen=True)
+class SequenceCase:
+    family: str = "llama"
+    seq_len: int = 32  # of the whole sequence (every rank holds seq_len / P rows)
+    chunk_size: int = 4
+    padding: str = "none"  # none | left | right
+    documents: bool = False  # packed rows: position ids that restart, no attention mask
+    window: int | None = None  # a sliding window (mistral, qwen2)
+    objective: str = "lm"
+
+    @property
+    def name(self) -> str:
+        return "-".join(str(x) for x in (self.family, self.seq_len, self.chunk_size, self.padding,
+                                          "docs" if self.documents else "", self.window or "", self.objective) if x != "")
+
+
+def _model(case: SequenceCase):
+    import transformers
+
+    from ..models import tiny_config
+    from ._references import randomize_for_checks
+
+    torch.manual_seed(0)
+    config = tiny_config(case.family, case.window)
+    if hasattr(config, "output_router_logits"):  # (the load-balancing loss is not sequence-parallel yet)
+        config.output_router_logits = False
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64)
+    return randomize_for_checks(model).train()
+
+
+def _batch(case: SequenceCase, vocab: int):
+    """(input_ids, attention_mask, position_ids, labels) of the whole sequence, batch 2."""
+    B, T = 2, case.seq_len
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (B, T), generator=g)
+    labels = ids.clone()
+    labels[:, T // 2: T // 2 + 3] = -100  # (unlabelled rows, one of them at a rank boundary for P = 2)
+    mask = positions = None
+    if case.padding != "none":
+        mask = torch.ones(B, T, dtype=torch.long)
+        if case.padding == "left":
+            mask[0, :5], mask[1, :2] = 0, 0
+        else:
+            mask[0, -7:] = 0
+        labels[mask == 0] = -100
+    if case.documents:
+        first = T // 3 + 1  # (a document boundary inside a rank's rows)
+        positions = torch.stack([torch.cat([torch.arange(first), torch.arange(T - first)]), torch.arange(T)])
+    return ids, mask, positions, labels
+
+
+def _pairwise(log_probs_sum: torch.Tensor) -> torch.Tensor:
+    return -F.logsigmoid((log_probs_sum[0] - log_probs_sum[1]) / 10)
+
+
+def _reference(case: SequenceCase):
+    """Plain autograd in one process on the whole sequence: (loss, the model with its gradients)."""
+    from ..engine import IGNORE_INDEX
+    from ._references import full_precision_norms, reference_causal_lm_loss
+
+    model = _model(case)
+    ids, mask, positions, labels = _batch(case, model.config.vocab_size)
+    with full_precision_norms(model):
+        if case.objective == "lm":
+            loss = reference_causal_lm_loss(model, labels, input_ids=ids, attention_mask=mask, position_ids=positions,
+                                            use_cache=False)  # (transformers separates documents only then)
+        else:
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+            targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+            keep = targets != IGNORE_INDEX
+            picked = logits.log_softmax(-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+            loss = _pairwise((picked * keep).sum(1))
+        loss.backward()
+    return loss.item(), model
+
+
+def _sequence_parallel(case: SequenceCase):
+    """The same on this rank's rows, streamed with ``sequence_parallel``: (loss, the model with the
+    gradients summed over the group)."""
+    from ..streaming import reduce_sequence_gradients, sequence_rows, sequence_sum, stream, token_log_probs
+    from ._references import full_precision_norms
+
+    model = _model(case)
+    ids, mask, positions, labels = _batch(case, model.config.vocab_size)
+    stream(model, chunk_size=case.chunk_size, head_chunk_size=3, sequence_parallel=True)
+    rows = lambda t: None if t is None else sequence_rows(model, t)  # noqa: E731
+    with full_precision_norms(model):
+        if case.objective == "lm":
+            loss = model(input_ids=rows(ids), attention_mask=rows(mask), position_ids=rows(positions),
+                         labels=rows(labels)).loss
+        else:
+            out = token_log_probs(model, rows(labels), input_ids=rows(ids), attention_mask=rows(mask),
+                                         position_ids=rows(positions))
+            loss = _pairwise(sequence_sum(model, out["log_probs"].sum(1)))
+        loss.backward()
+    reduce_sequence_gradients(model)
+    return loss.item(), model
+
+
+def _worker(rank: int, world: int, init: str, cases: list[dict], out: str) -> None:
+    import torch.distributed as dist
+
+    from ._references import relative_errors
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    results = []
+    try:
+        for fields in cases:
+            case = SequenceCase(**fields)
+            try:
+                loss, model = _sequence_parallel(case)
+                ref_loss, reference = _reference(case)
+                worst = max(relative_errors(reference, model).values())
+                results.append(dict(case=case.name, loss=loss, reference_loss=ref_loss, worst_grad_error=worst))
+            except Exception as e:  # (reported per case; every rank meets the same error in step)
+                results.append(dict(case=case.name, error=f"{type(e).__name__}: {e}"))
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def check_sequence_parallel(cases: list[SequenceCase], world: int = 2) -> list[list[dict]]:
+    """Run ``cases`` on ``world`` spawned processes; returns, per case, every rank's result."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        init = f"file://{os.path.join(folder, 'rendezvous')}"
+        mp.spawn(_worker, args=(world, init, [asdict(c) for c in cases], folder), nprocs=world)
+        per_rank = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(world)]
+    return [list(results) for results in zip(*per_rank)]

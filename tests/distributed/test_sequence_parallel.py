@@ -1,0 +1,79 @@
+"""Sequence parallelism (``leanbp.stream(model, sequence_parallel=group)``): one sequence over 2 and 4
+CPU processes (gloo), float64. Every rank's loss and the gradients summed over the group equal plain
+autograd on the whole sequence in one process, for the causal-LM loss and for a loss nonlinear in
+per-sequence sums (DPO's shape), across families, padding, packed documents, sliding windows,
+soft-capping, replicated K/V heads (P = 4 > 2 K/V heads) and chunks that do not divide a rank's rows.
+Each world size is spawned once for all its cases."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import leanbp
+from leanbp.engine import SequenceGroup
+from leanbp.engine._ulysses import HeadSplit
+from leanbp.testing._sequence_parallel import SequenceCase, check_sequence_parallel
+from conftest import tiny_model
+
+TOL = 1e-12
+
+CASES = {
+    2: [SequenceCase(),
+        SequenceCase(padding="left", objective="pairwise"),
+        SequenceCase(family="qwen3", documents=True),
+        SequenceCase(family="mistral", window=6, padding="right"),
+        SequenceCase(family="gemma2", padding="left"),  # soft-capped attention, its own block path
+        SequenceCase(family="qwen3_moe"),
+        SequenceCase(seq_len=40, chunk_size=6, documents=True, objective="pairwise")],  # 20 rows: chunks of 6, 6, 6, 2
+    4: [SequenceCase(padding="right", chunk_size=3),
+        SequenceCase(family="qwen3", documents=True, objective="pairwise")],
+}
+
+
+@functools.cache
+def _runs(world: int) -> dict:
+    """Every case of one world size, from one spawn: {case name: [each rank's result]}."""
+    return dict(zip((c.name for c in CASES[world]), check_sequence_parallel(CASES[world], world)))
+
+
+@pytest.mark.parametrize("world, name", [pytest.param(world, case.name, id=f"P{world}-{case.name}")
+                                         for world in CASES for case in CASES[world]])
+def test_every_rank_has_the_whole_sequences_loss_and_the_summed_gradients_are_plain_autograds(world, name):
+    per_rank = _runs(world)[name]
+    assert len(per_rank) == world
+    for result in per_rank:
+        assert "error" not in result, result["error"]
+        assert abs(result["loss"] - result["reference_loss"]) <= TOL * abs(result["reference_loss"])
+        assert result["worst_grad_error"] <= TOL
+
+
+def test_the_heads_must_split_over_the_group():
+    with pytest.raises(ValueError, match="divide the number of query heads"):
+        HeadSplit(q_heads=6, kv_heads=2, size=4)
+    with pytest.raises(ValueError, match="K/V heads"):
+        HeadSplit(q_heads=12, kv_heads=4, size=6)
+    assert HeadSplit(q_heads=8, kv_heads=2, size=4).kv_of(3) == slice(1, 2)  # (replicated: ranks 2 and 3 share head 1)
+
+
+def test_sequence_parallel_needs_a_process_group_and_the_streamed_layers():
+    model = tiny_model("llama")
+    with pytest.raises(RuntimeError, match="torch.distributed initialized"):
+        leanbp.stream(model, sequence_parallel=True)
+    with pytest.raises(ValueError, match="needs layers=True"):
+        leanbp.stream(model, layers=False, sequence_parallel=True)
+    assert not leanbp.is_streamed(model)  # (a refusal installs nothing)
+
+
+def test_a_sequence_that_does_not_split_evenly_is_refused_with_the_fix(monkeypatch):
+    model = tiny_model("llama")
+    leanbp.stream(model)
+    with pytest.raises(ValueError, match="not sequence-parallel"):
+        leanbp.sequence_rows(model, torch.zeros(1, 8))
+    from leanbp.streaming._state import state_of
+    state_of(model).sequence = SequenceGroup(group=None, rank=1, size=3)  # (as a group of 3 would hold it)
+    with pytest.raises(ValueError, match="pad it to a multiple of 3"):
+        leanbp.sequence_rows(model, torch.zeros(1, 8))
+    assert leanbp.sequence_rows(model, torch.arange(9).unsqueeze(0)).tolist() == [[3, 4, 5]]
