@@ -154,21 +154,25 @@ def _bench(args) -> int:
 
 def _add_plan(sub):
     from .memory import GiB
-    from .plan import DEFAULT_SEQ_LENS, PLAN_DTYPES, PRESETS, CudaReserve, PlanRequest
+    from .plan import DEFAULT_SEQ_LENS, GPUS, PLAN_DTYPES, PRESETS, CudaReserve, PlanRequest, Setup
     from .streaming import PLANNED
 
     reserve = CudaReserve()
 
-    p = sub.add_parser("plan", help="peak device memory per method and the longest sequence that fits, without the GPU",
+    p = sub.add_parser("plan", help="peak device memory per method, the longest sequence that fits and the time of a "
+                                    "step, without the GPU",
                        description="Runs the real training step (transformers, its gradient checkpointing, leanbp, "
-                                   "leanbp with host offload) on fake tensors and reports the peak device memory at "
-                                   "each T (weights, gradients, optimizer state, activations) and the longest T that "
-                                   "fits the memory. Writes plan.md, plan.csv, plan.json and plan.png to --out.")
+                                   "leanbp with host offload) on fake tensors and reports one rank's peak device "
+                                   "memory at each T (weights, gradients, optimizer state, the engine's buffers, "
+                                   "activations), the host memory, the step's time on the chosen GPU, and the longest "
+                                   "T that fits the device and the host. Writes plan.md, plan.csv, plan.json and "
+                                   "plan.png to --out.")
     p.add_argument("--model", default=_default(PlanRequest, "model"),
                    help=f"a preset ({', '.join(PRESETS)}), a model directory or a config.json (default "
                         f"{_default(PlanRequest, 'model')})")
-    memory = f"{_default(PlanRequest, 'memory') / GiB:g}GiB"
-    p.add_argument("--memory", default=memory, help=f"the device's memory, e.g. 80GiB, 141GB (default {memory})")
+    p.add_argument("--memory", default=None,
+                   help="the device's memory, e.g. 80GiB, 141GB (default: the --gpu's, "
+                        + ", ".join(f"{name} {gpu.memory / GiB:.4g} GiB" for name, gpu in GPUS.items()) + ")")
     p.add_argument("--reserve", default="auto",
                    help="memory held back for what the plan does not model: CUDA context, kernel workspaces, "
                         f"allocator fragmentation (default auto: {reserve.context / GiB:g} GiB + "
@@ -176,12 +180,13 @@ def _add_plan(sub):
                         "report says why)")
     p.add_argument("--dtype", choices=PLAN_DTYPES, default=_default(PlanRequest, "dtype"),
                    help="parameters and gradients")
-    p.add_argument("--batch", type=int, default=_default(PlanRequest, "batch"))
+    p.add_argument("--batch", type=int, default=_default(PlanRequest, "batch"), help="sequences per step and rank")
     p.add_argument("--seq-lens", help=f"comma-separated T to report (default {','.join(map(str, DEFAULT_SEQ_LENS))})")
     p.add_argument("--methods", default=",".join(PLANNED), help=f"comma-separated, from {', '.join(PLANNED)}")
     p.add_argument("--mode", choices=["backprop", "step", "both"], default="both",
                    help="backprop: weights + gradients + activations (the StreamBP paper's setting); step: also "
-                        "AdamW's two fp32 moments per parameter; both (default)")
+                        "the optimizer's state and its step (--optimizer); both (default)")
+    add_options(p, Setup, _PLAN_SETUP)
     add_options(p, StreamConfig, _STREAM_OPTIONS["plan"])
     p.add_argument("--free-outputs", action="store_true",
                    help="the loop drops the model's outputs (logits) before backward, as transformers' Trainer does "
@@ -192,18 +197,23 @@ def _add_plan(sub):
     p.add_argument("--out", default="plan_out", help="folder for plan.md / plan.csv / plan.json / plan.png")
 
 
+# the Setup settings leanbp plan offers (all of them)
+_PLAN_SETUP = ("gpus", "engine", "optimizer", "offload_params", "host_memory", "gpu", "efficiency")
+
+
 def _plan(args) -> int:
     from .memory import parse_bytes
-    from .plan import DEFAULT_SEQ_LENS, PlanRequest, format_plan, load_config, run_plan, write_plan
+    from .plan import DEFAULT_SEQ_LENS, PlanRequest, Setup, format_plan, load_config, run_plan, write_plan
 
     reserve = None if args.reserve == "auto" else parse_bytes(args.reserve)  # (None: the default reserve)
-    request = PlanRequest(model=args.model, memory=parse_bytes(args.memory), reserve=reserve,
+    setup = Setup(**values(args, _PLAN_SETUP))
+    request = PlanRequest(model=args.model, memory=parse_bytes(args.memory) if args.memory else None, reserve=reserve,
                           dtype=args.dtype, batch=args.batch,
                           seq_lens=_ints(args.seq_lens, "--seq-lens") if args.seq_lens else list(DEFAULT_SEQ_LENS),
                           methods=[m.strip() for m in args.methods.split(",") if m.strip()],
                           modes=["backprop", "step"] if args.mode == "both" else [args.mode],
                           stream=_stream_config(args, "plan"), hold_outputs=not args.free_outputs,
-                          lora_rank=args.lora)
+                          lora_rank=args.lora, setup=setup)
     result = run_plan(request, load_config(args.model))
     print(format_plan(result))
     print(f"\nwritten to {write_plan(result, args.out)}/ (plan.md, plan.csv, plan.json, plan.png)")

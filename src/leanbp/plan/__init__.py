@@ -1,10 +1,20 @@
-"""``leanbp plan``: the peak device memory of a training step, and the longest sequence that fits,
-predicted without the device by running the real step on fake tensors (``_planner.py``), with the
-presets of common open models and the report as a table, CSV, JSON and plot (``_report.py``)."""
+"""``leanbp plan``: the peak device memory of a training step, the longest sequence that fits and
+the time of a step, predicted without the device by running the real step on fake tensors
+(``_planner.py``), for one GPU or each rank of several with their engine, optimizer and host memory
+(``_setup.py``), on the GPUs of ``_devices.py`` (``_time.py``, from the work ``_work.py`` counts),
+with the presets of common open models (``_presets.py``) and the report as a table, CSV, JSON and
+plot (``_report.py``)."""
 
-from ._planner import (OPTIMIZER_BYTES_PER_PARAM, PLAN_DTYPES, PRESETS, Lines, Peak, Planner, load_config,
-                       training_step)
+from ._devices import GPUS, Gpu, measure_cpu
+from ._measure import RankMemory
+from ._planner import PLAN_DTYPES, Lines, Longest, Peak, Planner, training_step
+from ._presets import PRESETS, load_config
 from ._report import DEFAULT_SEQ_LENS, CudaReserve, PlanRequest, format_plan, run_plan, write_plan
+from ._setup import ENGINES, OPTIMIZERS, RankBytes, Setup, machine_memory
+from ._time import StepTime, step_time
+from ._work import Work, WorkCounter
 
-__all__ = ["CudaReserve", "DEFAULT_SEQ_LENS", "Lines", "OPTIMIZER_BYTES_PER_PARAM", "PLAN_DTYPES", "PRESETS", "Peak",
-           "PlanRequest", "Planner", "format_plan", "load_config", "run_plan", "training_step", "write_plan"]
+__all__ = ["CudaReserve", "DEFAULT_SEQ_LENS", "ENGINES", "GPUS", "Gpu", "Lines", "Longest", "OPTIMIZERS",
+           "PLAN_DTYPES", "PRESETS", "Peak", "PlanRequest", "Planner", "RankBytes", "RankMemory", "Setup", "StepTime", "Work",
+           "WorkCounter", "format_plan", "load_config", "machine_memory", "measure_cpu", "run_plan", "step_time",
+           "training_step", "write_plan"]

@@ -1,29 +1,38 @@
 """``leanbp plan``: the peak device memory of a training step, and the longest sequence that fits,
-predicted without the device.
+predicted without the device, for one GPU or for each rank of several, with the time of the step.
 
 Every number comes from running the real training step (``model(input_ids, labels=...)`` and
 ``loss.backward()``, through transformers, its gradient checkpointing, or ``leanbp.stream``) on fake
 tensors (``FakeTensorMode``: shapes and dtypes, no values, no memory), measured by the same live-bytes
-tracker as ``leanbp.memory.track``. So the plan follows the code: change the engine and the plan
-changes with it. Two regularities of a decoder stack make it fast (the length one is checked on
-every run, both in ``tests/plan/test_plan.py``):
+tracker as ``leanbp.memory.track`` and counted by a ``WorkCounter`` (``_work.py``: the FLOPs of its
+products and attention, the bytes of its other ops). So the plan follows the code: change the
+engine and the plan changes with it. Two regularities of a decoder stack make it fast (both checked
+in ``tests/plan/test_plan.py``, the length one on every run):
 
 * Depth: a stack of identical layers adds the same bytes per layer (its weights, gradients and what
-  each method keeps per layer), so the step is run at two small depths (2 and 3 layers: the first
-  layer can differ, e.g. when a frozen embedding gives it an input without gradient) and the peak,
-  weights, gradients and host bytes are extended to the model's depth along that line.
+  each method keeps per layer), so the step is run at two small depths (2 and 3 layers, or 2 and 3
+  repeats of a pattern of layers followed by the model's remainder of it: the first layer can
+  differ, e.g. when a frozen embedding gives it an input without gradient) and the peak, weights,
+  gradients, host bytes and work are extended to the model's depth along that line.
 * Length: at a fixed chunk size every buffer a step keeps grows linearly in T, so the peak of each
   phase of the step (the engine labels its layer forward, layer backward, head and final norm;
   the rest is "forward" or "backward", see ``memory.phase``) is affine in T, and the step's peak is
   the largest of them. Probes double T until three in a row put every phase on one line (to the
-  byte); the lines give the peak at every T beyond, and which phase holds it. The longest T under
+  byte); the lines give the peak at every T beyond, and which phase holds it. The work is a
+  polynomial of degree two in T (attention) through the same three probes. The longest T under
   the budget is checked by a fake step at that T when that step is affordable (``verify_limit``
   layer chunks).
 
+A rank of a data-parallel engine runs the same step on its own batch: its activations are the
+fake step's, its weights, gradients, optimizer state and the engine's buffers are its share
+(``_setup.py``, with the engines' and optimizers' sources), added to each phase's line as the
+constants they are. The host holds what offload and a host optimizer keep there; the longest T
+honours the device budget and the host budget (all ranks of the machine together).
+
 What it does not model: allocator fragmentation and caching, the CUDA context, kernel workspaces
-(cuBLAS, flash attention) and the communication buffers of distributed engines; ``leanbp plan
---reserve`` holds them back from the budget. The attention kernels are the CPU ones (SDPA's flash kernel for
-transformers, leanbp's two-block (out, lse) attention), which keep what the CUDA flash kernels keep.
+(cuBLAS, flash attention) and NCCL's own buffers; ``leanbp plan --reserve`` holds them back from the
+budget. The attention kernels are the CPU ones (SDPA's flash kernel for transformers, leanbp's
+two-block (out, lse) attention), which keep what the CUDA flash kernels keep.
 """
 
 from __future__ import annotations
@@ -40,69 +49,23 @@ from ..engine import has_values
 from ..memory import MemoryReport, track
 from ..streaming import PLANNED, StreamConfig, apply_method, old_chunk_sizes
 from ..streaming import method as method_named
+from ._presets import PRESETS, load_config  # noqa: F401  (re-exported: leanbp.plan.PRESETS)
+from ._setup import RankBytes, Setup, parameter_tensors, rank_bytes
+from ._time import StepTime, step_time
+from ._work import Work, WorkCounter, quadratic_through
 
 # the dtypes of the weights and gradients a plan is made for
 PLAN_DTYPES = ("bf16", "fp16", "fp32")
 
-# AdamW's two moments per trainable parameter, kept in fp32 whatever the parameter dtype (as mixed-
-# precision trainers and DeepSpeed do), stepped by a fused kernel (no whole-model temporaries).
-OPTIMIZER_BYTES_PER_PARAM = 8
-
-
-def _qwen3(hidden, layers, heads, inter, tied, kv=8):
-    return dict(model_type="qwen3", hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                num_key_value_heads=kv, head_dim=128, intermediate_size=inter, vocab_size=151936,
-                tie_word_embeddings=tied, rope_theta=1_000_000.0)
-
-
-def _llama(hidden, layers, heads, inter, vocab=128256, model_type="llama", **extra):
-    return dict(model_type=model_type, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                num_key_value_heads=8, intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=False,
-                **extra)
-
-
-def _qwen2(hidden, layers, heads, kv, inter):
-    return dict(model_type="qwen2", hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                num_key_value_heads=kv, intermediate_size=inter, vocab_size=152064, tie_word_embeddings=False,
-                rope_theta=1_000_000.0)
-
-
-# The shapes of common open models (from their published config.json files): nothing is downloaded.
-PRESETS: dict[str, dict] = {
-    "qwen3-0.6b": _qwen3(1024, 28, 16, 3072, tied=True),
-    "qwen3-1.7b": _qwen3(2048, 28, 16, 6144, tied=True),
-    "qwen3-4b": _qwen3(2560, 36, 32, 9728, tied=True),
-    "qwen3-8b": _qwen3(4096, 36, 32, 12288, tied=False),
-    "qwen3-14b": _qwen3(5120, 40, 40, 17408, tied=False),
-    "qwen3-32b": _qwen3(5120, 64, 64, 25600, tied=False),
-    "llama-3.1-8b": _llama(4096, 32, 32, 14336, rope_theta=500_000.0),
-    "llama-3.1-70b": _llama(8192, 80, 64, 28672, rope_theta=500_000.0),
-    "mistral-7b": _llama(4096, 32, 32, 14336, vocab=32768, model_type="mistral", rope_theta=1_000_000.0),
-    "qwen2.5-7b": _qwen2(3584, 28, 28, 4, 18944),
-    "qwen2.5-32b": _qwen2(5120, 64, 40, 8, 27648),
-}
-
-
-def load_config(model: str):
-    """A transformers config from a preset name (``PRESETS``), a model directory or a config.json."""
-    from pathlib import Path
-
-    import transformers
-
-    preset = PRESETS.get(model.lower())
-    if preset is not None:
-        kwargs = dict(preset)
-        return transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
-    path = Path(model)
-    if path.is_dir() or (path.is_file() and path.suffix == ".json"):
-        return transformers.AutoConfig.from_pretrained(str(path))
-    raise FileNotFoundError(f"{model!r} is not a preset ({', '.join(PRESETS)}), a model directory or a config.json")
+OPTIMIZER_STEP = "optimizer step"  # the phase of the optimizer's own step (after backward)
 
 
 @dataclass(frozen=True)
 class Peak:
-    """Bytes of one step at one T. ``optimizer`` is 0 for backprop only; ``host`` is what offload
-    keeps in host memory (not part of ``total``)."""
+    """Bytes of one rank's step at one T. ``optimizer`` is 0 for backprop only; ``buffers``: the
+    engine's (DDP's buckets, ZeRO's bucket and gathered parameters, FSDP2's unsharded layers in the
+    phase that holds the peak); ``host``: what offload and a host optimizer keep in host memory for
+    this rank (not part of ``total``); ``time``: the step-time model at this T."""
 
     method: str
     seq_len: int
@@ -113,10 +76,25 @@ class Peak:
     host: int = 0
     probed: bool = False  # a fake step at this T (else read from the phases' lines)
     phase: str = ""  # the phase of the step that holds the peak
+    buffers: int = 0
+    time: StepTime | None = None
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations
+        return self.weights + self.grads + self.optimizer + self.buffers + self.activations
+
+
+@dataclass(frozen=True)
+class Longest:
+    """The longest T of a method under both budgets: ``seq_len``; ``checked``: a fake step at that T
+    confirmed it; ``bound``: "device" or "host", the budget that stops it (``device_seq_len`` and
+    ``host_seq_len``: each budget's own longest T; None: that budget bounds nothing)."""
+
+    seq_len: int
+    checked: bool
+    bound: str
+    device_seq_len: int
+    host_seq_len: int | None
 
 
 def _affine(points: list[tuple[int, int]]) -> tuple[float, float] | None:
@@ -155,17 +133,33 @@ class Lines:
             raise RuntimeError("no phase of the step grows with T; the sequence length is not bounded by memory")
         return max(0, int(T))
 
+    def host_longest(self, budget: float) -> int | None:
+        """The largest T whose host bytes fit ``budget`` (None: the host line does not grow)."""
+        a, b = self.host
+        if b <= 0:
+            return None if a <= budget else 0
+        return max(0, int((budget - a) / b))
+
+    def shifted(self, extra: dict, host: float = 0.0) -> "Lines":
+        """These lines with constant bytes added: ``extra[phase]`` to a phase (a phase missing from
+        the lines is a constant line of its own), ``host`` to the host line."""
+        phases = {name: (a + extra.get(name, 0), b) for name, (a, b) in self.phases.items()}
+        for name, value in extra.items():
+            phases.setdefault(name, (value, 0.0))
+        return Lines(phases, (self.host[0] + host, self.host[1]), self.valid_from)
+
 
 @dataclass
 class Planner:
     """Fake training steps of one model configuration (see the module docstring).
 
-    dtype: parameters and gradients (``PLAN_DTYPES``); batch: sequences per step; stream: leanbp's
-    settings (a fixed chunk size: with "auto" the chunk grows with T and the phases' peaks are not
-    lines); hold_outputs: the loop keeps the model's outputs until backward (see ``training_step``);
-    lora_rank: train LoRA adapters of this rank on every linear layer but the head (PEFT's
-    "all-linear"), the base frozen; verify_limit: a fake step to check the longest T is run when it
-    has at most this many layer chunks."""
+    dtype: parameters and gradients (``PLAN_DTYPES``); batch: sequences per step (per rank);
+    stream: leanbp's settings (a fixed chunk size: with "auto" the chunk grows with T and the phases'
+    peaks are not lines); hold_outputs: the loop keeps the model's outputs until backward (see
+    ``training_step``); lora_rank: train LoRA adapters of this rank on every linear layer but the
+    head (PEFT's "all-linear"), the base frozen; setup: the GPUs, engine, optimizer and host memory
+    (``Setup``; default one GPU, AdamW); verify_limit: a fake step to check the longest T is run when
+    it has at most this many layer chunks."""
 
     config: object
     dtype: str = "bf16"
@@ -174,11 +168,15 @@ class Planner:
     hold_outputs: bool = True
     lora_rank: int | None = None
     verify_limit: int = 64
+    setup: Setup = field(default_factory=Setup)
     _models: dict = field(default_factory=dict, repr=False)
     _lines: dict = field(default_factory=dict, repr=False)
+    _probes: dict = field(default_factory=dict, repr=False)  # method -> the T of its lines' last three probes
     _resident: MemoryReport | None = field(default=None, repr=False)
     _steps: dict = field(default_factory=dict, repr=False)  # (method, T) -> the fake step's report
+    _work: dict = field(default_factory=dict, repr=False)  # (method, T) -> the fake step's work
     _trainable: int | None = field(default=None, repr=False)
+    _rank: RankBytes | None = field(default=None, repr=False)
     _mode: object = field(default=None, repr=False)
     # deprecated: the chunk sizes before ``stream`` carried them
     chunk_size: InitVar[int | None] = None
@@ -196,15 +194,20 @@ class Planner:
         if not isinstance(self.stream.chunk_size, int):
             raise ValueError(f"leanbp plan needs a fixed chunk size (rows), got {self.stream.chunk_size!r}: with "
                              '"auto" the chunk grows with T, which the plan\'s lines in T do not follow')
+        if not isinstance(self.setup, Setup):
+            raise ValueError(f"setup must be a leanbp.plan.Setup, got {type(self.setup).__name__}")
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         self._mode = FakeTensorMode()
         self.layers = self.config.num_hidden_layers
-        # two depths whose difference is one repeat of the layer pattern (or the whole model when
-        # its layers are not alike, or when it is that shallow). Not from one repeat: the first
-        # layer differs from the others when its input needs no gradient (a frozen embedding, LoRA)
+        # two depths whose difference is one repeat of the layer pattern, each followed by the
+        # model's own remainder of it (or the whole model when its layers are not alike, or when it
+        # is that shallow). Not from one repeat: the first layer differs from the others when its
+        # input needs no gradient (a frozen embedding, LoRA)
         period = _layer_period(self.config)
-        self.depths = (2 * period, 3 * period) if period and 3 * period < self.layers else (self.layers,)
+        rest = self.layers % period if period else 0
+        self.depths = (2 * period + rest, 3 * period + rest) if period and 3 * period + rest < self.layers \
+            else (self.layers,)
 
     # -- one fake step ---------------------------------------------------------------------------
     def _model(self, depth: int):
@@ -228,41 +231,36 @@ class Planner:
             self._models[depth] = model
         return self._models[depth]
 
-    def _step_at_depth(self, method: str, T: int, depth: int) -> MemoryReport:
+    def _step_at_depth(self, method: str, T: int, depth: int) -> tuple[MemoryReport, Work]:
         model = apply_method(self._model(depth), method, self.stream)
         with self._mode, _one_document_per_row():
             ids = torch.zeros(self.batch, T, dtype=torch.long)
-            with track(model) as mem:
+            with track(model) as mem, WorkCounter() as counter:
                 training_step(model, ids, self.hold_outputs)
-        return mem.report
+        return mem.report, counter.work
 
     def step(self, method: str, T: int) -> MemoryReport:
-        """The step's memory at the model's depth (extended along the depth line when probed
-        shallower); each (method, T) is run once."""
+        """The one-process step's memory at the model's depth (extended along the depth line when
+        probed shallower); each (method, T) is run once."""
         if method not in PLANNED:
             raise ValueError(f"leanbp plan predicts the methods {list(PLANNED)}, not {method!r}")
         if (method, T) not in self._steps:
-            self._steps[(method, T)] = self._step_at_full_depth(method, T)
+            self._steps[(method, T)], self._work[(method, T)] = self._step_at_full_depth(method, T)
         return self._steps[(method, T)]
 
-    def _step_at_full_depth(self, method: str, T: int) -> MemoryReport:
-        reports = [self._step_at_depth(method, T, d) for d in self.depths]
-        if len(reports) == 1:
-            return reports[0]
-        (d1, r1), (d2, r2) = zip(self.depths, reports)
+    def _step_at_full_depth(self, method: str, T: int) -> tuple[MemoryReport, Work]:
+        runs = [self._step_at_depth(method, T, d) for d in self.depths]
+        if len(runs) == 1:
+            return runs[0]
+        (d1, (r1, w1)), (d2, (r2, w2)) = zip(self.depths, runs)
         k = (self.layers - d1) / (d2 - d1)
         grow = lambda a, b: round(a + k * (b - a))  # noqa: E731
         if r1.phase_peaks.keys() != r2.phase_peaks.keys():
             raise RuntimeError(f"{method}: the phases of a {d1}- and a {d2}-layer step differ; plan at full depth")
         phases = {name: grow(r1.phase_peaks[name], r2.phase_peaks[name]) for name in r1.phase_peaks}
-        return MemoryReport(peak=max(phases.values()), params=grow(r1.params, r2.params),
-                            grads=grow(r1.grads, r2.grads), host=grow(r1.host, r2.host), phase_peaks=phases)
-
-    def _peak(self, method: str, T: int, report: MemoryReport, optimizer: bool, probed: bool, phase: str = "") -> Peak:
-        opt = OPTIMIZER_BYTES_PER_PARAM * self.trainable_params() if optimizer else 0
-        if not phase and report.phase_peaks:
-            phase = max(report.phase_peaks, key=report.phase_peaks.get)
-        return Peak(method, T, report.params, report.grads, opt, report.activations, report.host, probed, phase)
+        report = MemoryReport(peak=max(phases.values()), params=grow(r1.params, r2.params),
+                              grads=grow(r1.grads, r2.grads), host=grow(r1.host, r2.host), phase_peaks=phases)
+        return report, Work(w1.flops + k * (w2.flops - w1.flops), w1.bytes + k * (w2.bytes - w1.bytes))
 
     def trainable_params(self) -> int:
         """Trainable parameters of the full-depth model (all, or the LoRA adapters), from the depth line
@@ -276,10 +274,22 @@ class Planner:
                 self._trainable = c1 + (self.layers - d1) * (c2 - c1) // (d2 - d1)
         return self._trainable
 
+    def rank(self) -> RankBytes:
+        """One rank's weights, gradients, optimizer state, engine buffers and host bytes at the model's
+        depth (``_setup.rank_bytes`` of the fake model's parameters, along the depth line)."""
+        if self._rank is None:
+            shares = [rank_bytes(parameter_tensors(self._model(d)), self.setup) for d in self.depths]
+            if len(shares) == 1:
+                self._rank = shares[0]
+            else:
+                (d1, d2) = self.depths
+                self._rank = RankBytes.extend(*shares, (self.layers - d1) / (d2 - d1))
+        return self._rank
+
     # -- the line in T -----------------------------------------------------------------------------
     def lines(self, method: str, progress=None) -> Lines:
-        """Each phase's peak as a line in T, from fake steps at doubling T (until three in a row
-        put every phase on one line, to the byte)."""
+        """Each phase's peak of the one-process step as a line in T, from fake steps at doubling T
+        (until three in a row put every phase on one line, to the byte)."""
         if method in self._lines:
             return self._lines[method]
         T, probes = 4 * self.stream.chunk_size if _chunked(method) else 1024, []
@@ -301,50 +311,116 @@ class Planner:
                                    "tokens; plan at the listed lengths with probes only")
             T *= 2
         self._lines[method] = lines
+        self._probes[method] = [t for t, _ in probes[-3:]]
         self._resident = report  # weights and gradients: the same at every T
         return lines
 
+    def work(self, method: str, T: int) -> Work:
+        """The work of the step at T: counted by its fake step when it ran, else the polynomial
+        through the lines' last three probes."""
+        if (method, T) in self._work:
+            return self._work[(method, T)]
+        self.lines(method)
+        if T < self._probes[method][0]:
+            self.step(method, T)
+            return self._work[(method, T)]
+        return quadratic_through([(t, self._work[(method, t)]) for t in self._probes[method]])(T)
+
+    def time(self, method: str, T: int, optimizer: bool = False) -> StepTime:
+        """The step-time model at T (``_time.step_time``) on one rank of the set-up."""
+        return step_time(self.work(method, T), self.setup, self.rank(), self.dtype, optimizer=optimizer,
+                         offload_bytes=self.offload_pcie_bytes(method, T), tokens=self.batch * T)
+
+    def offload_pcie_bytes(self, method: str, T: int) -> int:
+        """Bytes offload moves over PCIe in a step: each streamed layer reads its input and writes its
+        output in forward, and in backward reads its prefix rows (for their K/V; all but the last
+        chunk), its input and its output gradient and writes its input gradient; the embedding
+        output goes down once, the last layer's output and its gradient cross once each way
+        (``leanbp.engine``'s offload: ``HostStore``, ``backward_reads``)."""
+        if not method_named(method).overrides.get("offload"):
+            return 0
+        rows_per_layer = 2 * T + (T - min(self.stream.chunk_size, T)) + 3 * T
+        rows = self.layers * rows_per_layer + 3 * T
+        itemsize = torch.empty((), dtype=dtype_named(self.dtype)).element_size()
+        return rows * self.batch * self.config.hidden_size * itemsize
+
     def peak(self, method: str, T: int, optimizer: bool = False, probe: bool = False) -> Peak:
-        """The step's memory at T: a fake step when ``probe`` (or when T lies before the lines'
+        """One rank's step memory at T: a fake step when ``probe`` (or when T lies before the lines'
         range), else read from the phases' lines."""
-        lines = self.lines(method)
-        if probe or T < lines.valid_from or (method, T) in self._steps:
-            return self._peak(method, T, self.step(method, T), optimizer, probed=True)
-        peak, host, phase = lines.at(T)
-        base = self._resident
-        return self._peak(method, T, MemoryReport(peak=peak, params=base.params, grads=base.grads, host=host),
-                          optimizer, probed=False, phase=phase)
+        if not (probe or (method, T) in self._steps) and T < self.lines(method).valid_from:
+            probe = True  # (before the lines' range: a fake step)
+        if probe or (method, T) in self._steps:
+            report = self.step(method, T)
+            single = Lines({n: (float(v), 0.0) for n, v in report.phase_peaks.items()}, (float(report.host), 0.0), T)
+            probed = True
+        else:
+            single, probed = self.lines(method), False
+        total, host, phase = self._shift(single, optimizer).at(T)
+        rank = self.rank()
+        opt = rank.optimizer if optimizer else 0
+        if phase == OPTIMIZER_STEP:
+            activations = 0
+        else:  # the one-process step's activations in that phase
+            a, b = single.phases[phase]
+            activations = round(a + b * T) - rank.full_weights - rank.full_grads
+        buffers = total - rank.weights - rank.grads - opt - activations
+        return Peak(method, T, rank.weights, rank.grads, opt, activations, host, probed, phase, buffers,
+                    self.time(method, T, optimizer))
+
+    def _shift(self, single: Lines, optimizer: bool) -> Lines:
+        """The lines of one rank: each phase's line of the one-process step with the rank's share in
+        place of its weights and gradients, the engine's buffers and working set in that phase, and
+        with ``optimizer`` the optimizer's state (device and host) and its own step as a phase."""
+        rank = self.rank()
+        opt = rank.optimizer if optimizer else 0
+        extra = {name: rank.phase_extra(name) + opt for name in single.phases}
+        if optimizer:
+            persistent = rank.buffers if self.setup.engine in ("ddp", "zero3") else 0
+            extra[OPTIMIZER_STEP] = rank.weights + rank.grads + rank.optimizer + rank.step + persistent
+        return single.shifted(extra, host=rank.host if optimizer else 0)
+
+    def longest(self, method: str, budget: int, optimizer: bool = False, multiple: int = 256) -> Longest:
+        """The longest T, a multiple of ``multiple`` (and of the chunk size for leanbp, whose lines
+        hold at whole chunks), whose step fits ``budget`` bytes of device memory on every rank and
+        the set-up's host memory with all ranks together; 0 when not even the resident bytes fit."""
+        if _chunked(method):
+            multiple = math.lcm(multiple, self.stream.chunk_size)
+        lines = self._shift(self.lines(method), optimizer)
+        host_budget = self.setup.host_memory / self.setup.world
+        device_T = lines.longest(budget) // multiple * multiple
+        host_T = lines.host_longest(host_budget)
+        host_T = None if host_T is None else host_T // multiple * multiple
+        T = device_T if host_T is None else min(device_T, host_T)
+        bound = "host" if host_T is not None and host_T < device_T else "device"
+        if T < lines.valid_from:  # before the affine range: search with fake steps
+            T = self._bisect(method, budget, host_budget, optimizer, multiple, 0, lines.valid_from)
+            return Longest(T, True, bound, device_T, host_T)
+        if not self._affordable(method, T):
+            return Longest(T, False, bound, device_T, host_T)
+        peak = self.peak(method, T, optimizer, probe=True)
+        if peak.total > budget or peak.host > host_budget:
+            raise RuntimeError(f"{method}: the fake step at T={T} does not fit although every phase's line says it "
+                               "does; a phase is not affine in T")
+        return Longest(T, True, bound, device_T, host_T)
 
     def max_seq_len(self, method: str, budget: int, optimizer: bool = False, multiple: int = 256
                     ) -> tuple[int, bool]:
-        """(the longest T, a multiple of ``multiple`` (and of the chunk size for leanbp, whose lines
-        hold at whole chunks), whose step fits ``budget`` bytes; whether a fake step at that T
-        confirmed it). 0 when not even the model's resident bytes fit."""
-        if _chunked(method):
-            multiple = math.lcm(multiple, self.stream.chunk_size)
-        lines = self.lines(method)
-        optimizer_bytes = OPTIMIZER_BYTES_PER_PARAM * self.trainable_params() if optimizer else 0
-        # the lines are the step's peak with weights and gradients; the optimizer's states sit beside it
-        T = lines.longest(budget - optimizer_bytes) // multiple * multiple
-        if T < lines.valid_from:  # before the affine range: search with fake steps
-            return self._bisect(method, budget, optimizer, multiple, 0, lines.valid_from), True
-        if not self._affordable(method, T):
-            return T, False
-        if self.peak(method, T, optimizer, probe=True).total > budget:
-            raise RuntimeError(f"{method}: the fake step at T={T} does not fit although every phase's line says it "
-                               "does; a phase is not affine in T")
-        return T, True
+        """(the longest T, whether a fake step at that T confirmed it): ``longest`` in short."""
+        found = self.longest(method, budget, optimizer, multiple)
+        return found.seq_len, found.checked
 
     def _affordable(self, method: str, T: int) -> bool:
         """Whether a fake step at T is quick enough to run (at most ``verify_limit`` layer chunks)."""
         return not _chunked(method) or -(-T // self.stream.chunk_size) <= self.verify_limit
 
-    def _bisect(self, method: str, budget: int, optimizer: bool, multiple: int, lo: int, hi: int) -> int:
+    def _bisect(self, method: str, budget: int, host_budget: float, optimizer: bool, multiple: int, lo: int,
+                hi: int) -> int:
         """The longest multiple of ``multiple`` in [lo, hi) that fits, by fake steps (``lo`` fits)."""
         lo = lo // multiple * multiple
         while hi - lo > multiple:
             mid = (lo + hi) // 2 // multiple * multiple or multiple
-            if self.peak(method, mid, optimizer, probe=True).total <= budget:
+            peak = self.peak(method, mid, optimizer, probe=True)
+            if peak.total <= budget and peak.host <= host_budget:
                 lo = mid
             else:
                 hi = mid
@@ -416,13 +492,13 @@ def _one_document_per_row():
 
 
 def _layer_period(config) -> int | None:
-    """Layers per repeat of the layer pattern (1 when all layers are alike), None when the layers
-    differ in ways the depth line cannot follow."""
+    """Layers per repeat of the layer pattern (1 when all layers are alike; the model may end with a
+    part of one repeat, as Gemma 3 1B's 26 layers end two layers into their fifth repeat of six)."""
     types = getattr(config, "layer_types", None)
     if not types:
         return 1
     types = list(types)
     for p in range(1, len(types) + 1):
         if all(types[i] == types[i % p] for i in range(len(types))):
-            return p if len(types) % p == 0 else None
+            return p
     return None

@@ -1,5 +1,6 @@
-"""``leanbp plan`` output: the peak at each T per method, the longest T that fits, as a table, CSV,
-JSON and a plot (memory against T per method, with the budget line)."""
+"""``leanbp plan`` output: one rank's peak and the step's time at each T per method, the longest T
+that fits the device and the host, as a table, CSV, JSON and a plot (memory and time against T per
+method, with the budget line)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from pathlib import Path
 
 from ..memory import GiB, MiB
 from ..streaming import METHODS, PLANNED, StreamConfig
-from ._planner import OPTIMIZER_BYTES_PER_PARAM, Planner
+from ._devices import GPUS
+from ._planner import Planner
+from ._setup import Setup
 
 DEFAULT_SEQ_LENS = [4096, 16384, 65536, 131072, 262144, 1048576]
 
@@ -49,7 +52,8 @@ class CudaReserve:
 @dataclass
 class PlanRequest:
     model: str = "qwen3-8b"
-    memory: int = 80 * GiB  # the device's memory, bytes
+    # the device's memory, bytes (None: the set-up's GPU's, ``GPUS[setup.gpu].memory``)
+    memory: int | None = None
     # held back for what the plan does not model; None: ``CudaReserve``'s default for this memory
     reserve: int | None = None
     dtype: str = "bf16"
@@ -60,6 +64,7 @@ class PlanRequest:
     stream: StreamConfig = field(default_factory=StreamConfig)  # leanbp's settings (a fixed chunk size)
     hold_outputs: bool = True
     lora_rank: int | None = None
+    setup: Setup = field(default_factory=Setup)  # GPUs, engine, optimizer, host memory, GPU model, efficiency
     reserve_note: str = "given"  # where the reserve comes from (filled in for the default)
 
     def __post_init__(self):
@@ -71,6 +76,10 @@ class PlanRequest:
             raise ValueError(f"modes: {bad or 'none given'}; choose from backprop, step")
         if not self.seq_lens or any(not isinstance(t, int) or t < 1 for t in self.seq_lens):
             raise ValueError(f"seq_lens must be positive integers, got {self.seq_lens}")
+        if not isinstance(self.setup, Setup):
+            raise ValueError(f"setup must be a leanbp.plan.Setup, got {type(self.setup).__name__}")
+        if self.memory is None:
+            self.memory = GPUS[self.setup.gpu].memory
         if self.reserve is None:
             default = CudaReserve()
             self.reserve, parts = default.total(self.memory), default.describe(self.memory)
@@ -87,11 +96,12 @@ class PlanRequest:
 
 
 def run_plan(request: PlanRequest, config, progress: bool = True) -> dict:
-    """Every (mode, method, T) peak and every (mode, method) longest T, as plain data."""
+    """Every (mode, method, T) peak of one rank with its step time, and every (mode, method)
+    longest T with the budget that stops it, as plain data."""
     from tqdm import tqdm
 
     planner = Planner(config, dtype=request.dtype, batch=request.batch, stream=request.stream,
-                      hold_outputs=request.hold_outputs, lora_rank=request.lora_rank)
+                      hold_outputs=request.hold_outputs, lora_rank=request.lora_rank, setup=request.setup)
     started = time.perf_counter()
     bar = tqdm(total=len(request.methods), desc="leanbp plan", unit="method", disable=not progress)
     peaks, longest = [], []
@@ -101,53 +111,101 @@ def run_plan(request: PlanRequest, config, progress: bool = True) -> dict:
             optimizer = mode == "step"
             for T in request.seq_lens:
                 peak = planner.peak(method, T, optimizer)
-                peaks.append(dict(mode=mode, **asdict(peak), total=peak.total))
+                peaks.append(dict(mode=mode, **_flat(peak), total=peak.total))
             bar.set_postfix_str(f"{method}: longest T ({mode})")
-            T, checked = planner.max_seq_len(method, request.budget, optimizer)
-            longest.append(dict(mode=mode, method=method, max_seq_len=T, checked=checked))
+            found = planner.longest(method, request.budget, optimizer)
+            at = planner.time(method, found.seq_len, optimizer) if found.seq_len else None
+            longest.append(dict(mode=mode, method=method, max_seq_len=found.seq_len, checked=found.checked,
+                                bound=found.bound, device_seq_len=found.device_seq_len,
+                                host_seq_len=found.host_seq_len, step_s=at.total if at else None,
+                                tokens_per_s=at.tokens_per_s if at else None))
         bar.update()
     bar.close()
+    rank = planner.rank()
     return {"request": asdict(request), "budget": request.budget, "parameters": planner.trainable_params(),
-            "optimizer_bytes_per_param": OPTIMIZER_BYTES_PER_PARAM, "seconds": time.perf_counter() - started,
-            "peaks": peaks, "longest": longest}
+            "setup": request.setup.describe(), "gpu": asdict(GPUS[request.setup.gpu]),
+            "rank": asdict(rank), "seconds": time.perf_counter() - started, "peaks": peaks, "longest": longest}
+
+
+def _flat(peak) -> dict:
+    """A ``Peak`` as one CSV-friendly row (the step time by part, flattened)."""
+    row = {k: v for k, v in asdict(peak).items() if k != "time"}
+    t = peak.time
+    row.update(step_s=t.total, compute_s=t.compute, memory_s=t.memory, comm_s=t.comm, offload_s=t.offload,
+               optimizer_s=t.optimizer, tokens_per_s=t.tokens_per_s, flops=t.flops)
+    return row
 
 
 def _gib(x: float) -> str:
     return f"{x / GiB:.1f}"
 
 
+def _seconds(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.3g}" if x < 100 else f"{x:,.0f}"
+
+
+_OPTIMIZER_NOTE = {
+    "adamw": "AdamW: two fp32 moments, and an fp32 master copy of 16-bit weights",
+    "adamw-bf16": "AdamW with bf16 moments and no master copy (torch AdamW on bf16 weights)",
+    "adamw-8bit": "bitsandbytes AdamW8bit: uint8 moments, an fp32 absmax per 256",
+    "host": "AdamW on the host: moments, fp32 master and fp32 gradients in host memory, 0 on the device",
+}
+
+
 def format_plan(result: dict) -> str:
     req = result["request"]
+    setup = req["setup"]
+    gpus = setup["gpus"]
     lines = [
         f"leanbp plan: {req['model']}, "
         + (f"LoRA r={req['lora_rank']} on every linear layer ({result['parameters'] / 1e6:.1f} M trainable "
            "parameters)" if req["lora_rank"] else f"full fine-tuning ({result['parameters'] / 1e9:.2f} B parameters)")
-        + f", {req['dtype']}, batch {req['batch']}, device memory {_gib(req['memory'])} GiB - reserve "
-        f"{_gib(req['reserve'])} GiB ({req['reserve_note']}); leanbp chunk {req['stream']['chunk_size']} rows; outputs "
+        + f", {req['dtype']}, batch {req['batch']}{' per rank' if gpus > 1 else ''}; {result['setup']}; device memory "
+        f"{_gib(req['memory'])} GiB - reserve {_gib(req['reserve'])} GiB ({req['reserve_note']}); leanbp chunk "
+        f"{req['stream']['chunk_size']} rows; outputs "
         f"{'held through' if req['hold_outputs'] else 'dropped before'} backward ({result['seconds']:.0f} s)",
         "",
-        "Peak device memory, GiB (step = backprop + AdamW's two fp32 moments; * = from the phases' lines, not a "
-        "fake step at that T; phase = where the peak is):",
+        f"Peak device memory of {'one rank' if gpus > 1 else 'the GPU'}, GiB (step = backprop + "
+        f"{_OPTIMIZER_NOTE[setup['optimizer']]}; buffers = the engine's; host = offload and the optimizer on the "
+        "host, this rank; * = from the phases' lines, not a fake step at that T; phase = where the peak is), "
+        f"and the step's time on {result['gpu']['label']} at efficiency {setup['efficiency']:g}:",
         "",
-        "| mode | method | T | weights | grads | optimizer | activations | total | host | fits | phase |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | method | T | weights | grads | optimizer | buffers | activations | total | host | fits | phase | "
+        "step s | tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     budget = result["budget"]
+    host_budget = setup["host_memory"] / gpus
     for p in result["peaks"]:
+        fits = p["total"] <= budget and p["host"] <= host_budget
         lines.append(
             f"| {p['mode']} | {METHODS[p['method']].label} | {p['seq_len']:,}{'' if p['probed'] else '*'} | "
-            f"{_gib(p['weights'])} | {_gib(p['grads'])} | {_gib(p['optimizer'])} | {_gib(p['activations'])} | "
-            f"{_gib(p['total'])} | {_gib(p['host']) if p['host'] else '-'} | {'yes' if p['total'] <= budget else 'no'} | "
-            f"{p['phase']} |")
-    lines += ["", f"Longest sequence that fits {_gib(budget)} GiB (a multiple of 256; * = from the phases' lines, a "
-                  "fake step at that T too long to run):", "",
-              "| method | " + " | ".join(f"{m} T" for m in req["modes"]) + " |",
-              "|---|" + "---|" * len(req["modes"])]
+            f"{_gib(p['weights'])} | {_gib(p['grads'])} | {_gib(p['optimizer'])} | {_gib(p['buffers'])} | "
+            f"{_gib(p['activations'])} | {_gib(p['total'])} | {_gib(p['host']) if p['host'] else '-'} | "
+            f"{'yes' if fits else 'no (host)' if p['total'] <= budget else 'no'} | {p['phase']} | "
+            f"{_seconds(p['step_s'])} | {p['tokens_per_s']:,.0f} |")
+    lines += ["", f"Longest sequence that fits {_gib(budget)} GiB of device memory per rank and "
+                  f"{_gib(setup['host_memory'])} GiB of host memory for all {gpus} rank{'s' if gpus > 1 else ''} (a "
+                  "multiple of 256; * = from the phases' lines, a fake step at that T too long to run; (host) = the host "
+                  "memory stops it first), with the step's time there:", "",
+              "| method | " + " | ".join(f"{m} T | {m} step s" for m in req["modes"]) + " |",
+              "|---|" + "---|---|" * len(req["modes"])]
     by = {(r["mode"], r["method"]): r for r in result["longest"]}
     for method in req["methods"]:
-        cells = [f"{by[(m, method)]['max_seq_len']:,}{'' if by[(m, method)]['checked'] else '*'}" for m in req["modes"]]
+        cells = []
+        for m in req["modes"]:
+            r = by[(m, method)]
+            cells.append(f"{r['max_seq_len']:,}{'' if r['checked'] else '*'}{' (host)' if r['bound'] == 'host' else ''}")
+            cells.append(_seconds(r["step_s"]))
         lines.append(f"| {METHODS[method].label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+_CSV_FIELDS = ["mode", "method", "seq_len", "weights", "grads", "optimizer", "buffers", "activations", "total",
+               "host", "probed", "phase", "step_s", "compute_s", "memory_s", "comm_s", "offload_s", "optimizer_s",
+               "tokens_per_s", "flops"]
 
 
 def write_plan(result: dict, out_dir: str | Path) -> Path:
@@ -155,8 +213,7 @@ def write_plan(result: dict, out_dir: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(result, indent=2))
     with open(out / "plan.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["mode", "method", "seq_len", "weights", "grads", "optimizer", "activations",
-                                          "total", "host", "probed", "phase"])
+        w = csv.DictWriter(f, fieldnames=_CSV_FIELDS)
         w.writeheader()
         w.writerows({k: p[k] for k in w.fieldnames} for p in result["peaks"])
     (out / "plan.md").write_text(format_plan(result) + "\n")
@@ -172,26 +229,35 @@ def _plot(result: dict, path: Path) -> None:
 
     req = result["request"]
     modes = req["modes"]
-    fig, axes = plt.subplots(1, len(modes), figsize=(6.2 * len(modes), 4.4), squeeze=False)
+    fig, axes = plt.subplots(2, len(modes), figsize=(6.2 * len(modes), 8.4), squeeze=False, sharex="col")
     budget = result["budget"] / GiB
     longest = {(r["mode"], r["method"]): r["max_seq_len"] for r in result["longest"]}
-    for ax, mode in zip(axes[0], modes):
+    setup = req["setup"]
+    where = f"{setup['gpus']} x {result['gpu']['label']}, {setup['engine']}, {setup['optimizer']}"
+    for col, mode in enumerate(modes):
+        memory_ax, time_ax = axes[0][col], axes[1][col]
         for method in req["methods"]:
             rows = [p for p in result["peaks"] if p["mode"] == mode and p["method"] == method]
             xs = [p["seq_len"] for p in rows]
-            ys = [p["total"] / GiB for p in rows]
-            line, = ax.plot(xs, ys, marker="o", label=f"{METHODS[method].label} (max {longest[(mode, method)]:,})")
+            line, = memory_ax.plot(xs, [p["total"] / GiB for p in rows], marker="o",
+                                   label=f"{METHODS[method].label} (max {longest[(mode, method)]:,})")
+            time_ax.plot(xs, [p["step_s"] for p in rows], marker="o", color=line.get_color(),
+                         label=METHODS[method].label)
             if longest[(mode, method)]:
-                ax.axvline(longest[(mode, method)], color=line.get_color(), linestyle=":", linewidth=1)
-        ax.axhline(budget, color="black", linestyle="--", linewidth=1, label=f"budget {budget:.1f} GiB")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length T (tokens)")
-        ax.set_ylabel("peak device memory (GiB)")
-        ax.set_title(f"{req['model']}{', LoRA' if req['lora_rank'] else ''}, {req['dtype']}, batch {req['batch']}: "
-                     f"{'backprop only' if mode == 'backprop' else 'full step (AdamW)'}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+                for ax in (memory_ax, time_ax):
+                    ax.axvline(longest[(mode, method)], color=line.get_color(), linestyle=":", linewidth=1)
+        memory_ax.axhline(budget, color="black", linestyle="--", linewidth=1, label=f"budget {budget:.1f} GiB")
+        memory_ax.set_ylabel("peak device memory per rank (GiB)")
+        memory_ax.set_title(f"{req['model']}{', LoRA' if req['lora_rank'] else ''}, {req['dtype']}, batch "
+                            f"{req['batch']}: {'backprop only' if mode == 'backprop' else 'full step'}\n{where}",
+                            fontsize=9)
+        time_ax.set_ylabel(f"step time (s), efficiency {setup['efficiency']:g}")
+        time_ax.set_xlabel("sequence length T (tokens)")
+        for ax in (memory_ax, time_ax):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,0 +1,98 @@
+"""The GPUs the step-time model knows, from the vendors' data sheets, and a measured stand-in for
+this CPU (which is how the model is checked without a GPU).
+
+Rates are peaks: dense matrix math (no 2:4 sparsity; the data sheets print the sparse figure,
+twice the dense one, with a footnote), HBM bandwidth, NVLink per direction (the data sheets give
+both directions together: 600 / 900 / 1800 GB/s) and PCIe per direction (x16 links: Gen4 32 GB/s,
+Gen5 64 GB/s each way; the data sheets give 64 / 128 GB/s both ways). fp32 matmuls run at the
+plain FP32 rate (PyTorch keeps ``allow_tf32`` off for matmuls by default).
+
+* A100 80GB SXM: https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf
+  (BF16 312 TFLOPS, FP32 19.5, HBM2e 2,039 GB/s, NVLink 600 GB/s, PCIe Gen4 64 GB/s, 80 GB)
+* A800 80GB SXM: the A100 with NVLink at 400 GB/s (NVIDIA A800 data sheet,
+  https://www.nvidia.cn/data-center/a800/); the StreamBP paper's GPU
+* H100 SXM: https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet
+  (BF16 1,979 TFLOPS with sparsity = 989 dense, FP32 67, HBM3 3.35 TB/s, NVLink 900 GB/s,
+  PCIe Gen5 128 GB/s, 80 GB)
+* H200 SXM: https://www.nvidia.com/en-us/data-center/h200/ (the H100's compute, 141 GB HBM3e at
+  4.8 TB/s, NVLink 900 GB/s, PCIe Gen5 128 GB/s)
+* B200 (HGX B200, 1000 W): https://www.nvidia.com/en-us/data-center/hgx/ (FP16/BF16 4.5 PFLOPS
+  with sparsity = 2.25 dense, FP32 80 TFLOPS, 180 GB HBM3e at 8 TB/s per GPU, NVLink 5 1.8 TB/s;
+  the host link is taken as PCIe Gen5, that of the x86 hosts HGX B200 boards ship with)
+
+The memory sizes are what ``--memory`` defaults to: A100/A800/H100 carry 80 GiB of HBM (five or
+six stacks of 16 GiB; the "80GB" of the data sheets), H200 and B200 are given in the vendor's GB.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..memory import GiB
+
+__all__ = ["Gpu", "GPUS", "measure_cpu"]
+
+TB = 1e12
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """Peak rates of one device. ``flops``: matmul FLOP/s by the dtype of the operands; ``memory``:
+    bytes of device memory; ``hbm``, ``nvlink``, ``pcie``: bytes/s (links: per direction)."""
+
+    name: str
+    label: str
+    memory: int
+    flops: dict = field(hash=False)
+    hbm: float
+    nvlink: float
+    pcie: float
+    source: str
+
+    def matmul_rate(self, dtype: str) -> float:
+        return self.flops["bf16" if dtype == "fp16" else dtype]
+
+
+_A100 = dict(flops={"bf16": 312 * TB, "fp32": 19.5 * TB}, hbm=2039 * GB, pcie=32 * GB)
+GPUS: dict[str, Gpu] = {g.name: g for g in (
+    Gpu("a100", "A100 80GB SXM", 80 * GiB, nvlink=300 * GB, **_A100,
+        source="https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+               "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"),
+    Gpu("a800", "A800 80GB SXM", 80 * GiB, nvlink=200 * GB, **_A100, source="https://www.nvidia.cn/data-center/a800/"),
+    Gpu("h100", "H100 SXM 80GB", 80 * GiB, flops={"bf16": 989 * TB, "fp32": 67 * TB}, hbm=3350 * GB, nvlink=450 * GB,
+        pcie=64 * GB, source="https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"),
+    Gpu("h200", "H200 SXM 141GB", 141 * 10**9, flops={"bf16": 989 * TB, "fp32": 67 * TB}, hbm=4800 * GB,
+        nvlink=450 * GB, pcie=64 * GB, source="https://www.nvidia.com/en-us/data-center/h200/"),
+    Gpu("b200", "B200 (HGX) 180GB", 180 * 10**9, flops={"bf16": 2250 * TB, "fp32": 80 * TB}, hbm=8000 * GB,
+        nvlink=900 * GB, pcie=64 * GB, source="https://www.nvidia.com/en-us/data-center/hgx/"),
+)}
+
+
+def measure_cpu(dtype: torch.dtype = torch.float32, size: int = 2048, seconds: float = 2.0) -> Gpu:
+    """This CPU as the step-time model sees a device: its measured matmul rate (``size`` cubed
+    products in ``dtype``, the best of repeated runs for ``seconds``) and memory bandwidth (a copy of
+    256 MiB, read + write); links are not used on one CPU."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    torch.mm(a, b)  # (warm-up: threads, packing buffers)
+    best, end = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    flops = 2 * size**3 / best
+    x = torch.empty(64 * 2**20, dtype=torch.float32)  # 256 MiB
+    y = torch.empty_like(x)
+    y.copy_(x)
+    best_copy, end = float("inf"), time.perf_counter() + seconds / 2
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        y.copy_(x)
+        best_copy = min(best_copy, time.perf_counter() - t0)
+    bandwidth = 2 * x.numel() * 4 / best_copy
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    return Gpu("cpu", f"this CPU ({torch.get_num_threads()} threads, measured)", 0, {name: flops},
+               bandwidth, 0.0, 0.0, "measured by leanbp.plan.measure_cpu")

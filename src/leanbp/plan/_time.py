@@ -1,0 +1,75 @@
+"""The time of a step, from the work the fake step counted (``_work.py``) and the bytes the set-up
+moves between GPUs and over PCIe, on a GPU of ``_devices.GPUS`` at an efficiency the user states.
+
+    compute  = product and attention FLOPs / (matmul peak x efficiency)
+    memory   = bytes of the other ops / (HBM bandwidth x efficiency)
+    device   = compute + memory                  (one stream: the ops run one after another)
+    comm     = bytes each rank sends in the engine's collectives / (NVLink per direction x eff.)
+    offload  = bytes the streamed layers' host store moves / (PCIe per direction x efficiency)
+    step     = max(device, comm, offload)         (collectives and copies run on side streams,
+                                                   overlapping the layers that compute)
+             + optimizer                          (after backward, not overlapped: its state read
+                                                   and written once at HBM bandwidth, or with a
+                                                   host optimizer the gradients down and the
+                                                   weights up over PCIe and the host's own pass
+                                                   over its 16 bytes per parameter)
+
+The efficiency is one number for every rate (an assumption; every report states it). Long-
+sequence fine-tuning on H100s reaches about half the dense peak: TRL's 1M-token Qwen3-8B recipe
+(8 x H100, 380 s per step) is 0.5 of the peak by this model. On the CPU the model is checked
+against measured steps with the CPU's measured matmul rate and bandwidth at efficiency 1
+(``benchmarks/plan_time_check.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._devices import GPUS, Gpu
+from ._setup import RankBytes, Setup
+from ._work import Work
+
+__all__ = ["StepTime", "step_time", "HOST_BANDWIDTH"]
+
+# the host's memory bandwidth for a host optimizer's pass over its state: an assumption (a
+# two-socket server streams 200-400 GB/s; DeepSpeed's CPU Adam is memory-bound and reaches a
+# fraction of that), used at the set-up's efficiency
+HOST_BANDWIDTH = 100e9
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one step on one rank, by part (see the module docstring); ``tokens_per_s``: all
+    ranks together."""
+
+    compute: float
+    memory: float
+    comm: float
+    offload: float
+    optimizer: float
+    total: float
+    tokens_per_s: float
+    flops: float  # per rank
+    gpu: str
+    efficiency: float
+
+
+def step_time(work: Work, setup: Setup, rank: RankBytes, dtype: str, optimizer: bool = False,
+              offload_bytes: int = 0, tokens: int = 0, device: Gpu | None = None) -> StepTime:
+    """The step-time model (module docstring) for one rank of ``setup`` doing ``work``; ``device``
+    replaces the set-up's GPU (e.g. ``measure_cpu()``)."""
+    gpu = device or GPUS[setup.gpu]
+    eff = setup.efficiency if device is None else 1.0
+    compute = work.flops / (gpu.matmul_rate(dtype) * eff)
+    memory = work.bytes / (gpu.hbm * eff)
+    comm = rank.collective / (gpu.nvlink * eff) if setup.world > 1 and gpu.nvlink else 0.0
+    offload = offload_bytes / (gpu.pcie * eff) if offload_bytes and gpu.pcie else 0.0
+    opt = 0.0
+    if optimizer:
+        if setup.optimizer == "host":
+            opt = rank.pcie / (gpu.pcie * eff) + 2 * rank.host / (HOST_BANDWIDTH * eff)
+        else:  # read and write the state and the weights, read the gradients
+            opt = (2 * rank.optimizer + 2 * rank.weights + rank.grads) / (gpu.hbm * eff)
+    total = max(compute + memory, comm, offload) + opt
+    return StepTime(compute, memory, comm, offload, opt, total, setup.world * tokens / total if total else 0.0,
+                    work.flops, gpu.name, eff)

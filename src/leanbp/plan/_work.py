@@ -1,0 +1,164 @@
+"""The work of a training step, counted op by op: the FLOPs of its matrix products and attention
+kernels, and the bytes every other op reads and writes (``WorkCounter``), as one more dispatch
+mode over the planner's fake step, or over a real step (the same counter, so the two can be
+compared on the CPU to the FLOP).
+
+FLOPs: ``torch.utils.flop_counter``'s formulas (the ones ``FlopCounterMode`` uses: mm, addmm,
+bmm, baddbmm, the CUDA attention kernels, ...), plus the ops its table lacks: the CPU flash
+attention kernel and its backward (what SDPA runs on the CPU, and leanbp's CPU attention blocks)
+and ``_grouped_mm`` (mixture-of-experts layers). Attention is counted as the kernels compute it:
+forward ``QK^T`` and ``PV`` (4 B H q k D), backward the recomputed scores and four products
+(10 B H q k D, as torch's SDPA backward formula), and a causal call only over the (query, key)
+pairs it can see, which the flash kernels skip the rest of (torch's own formulas count the full
+square: "NB: We aren't accounting for causal attention here").
+
+Bytes: an op that is not a counted product reads its tensor arguments and writes its results (a
+result that is an argument, as an in-place op's, is counted once); views (also those that do not
+say so, as ``_unsafe_view``), ``empty`` and metadata ops (no tensor result) move nothing. This is the traffic a memory-bound op makes to device memory when its
+operands do not stay in a cache between ops.
+
+Both are polynomials of degree two in T at whole chunks (attention over T keys, T rows) and
+linear in the depth: ``Work`` adds, scales and extends like the memory lines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+__all__ = ["Work", "WorkCounter", "count_work", "quadratic_through"]
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Work:
+    """FLOPs of matrix products / attention, and bytes read and written by every other op."""
+
+    flops: float = 0.0
+    bytes: float = 0.0
+
+    def __add__(self, other: "Work") -> "Work":
+        return Work(self.flops + other.flops, self.bytes + other.bytes)
+
+    def __sub__(self, other: "Work") -> "Work":
+        return Work(self.flops - other.flops, self.bytes - other.bytes)
+
+    def __mul__(self, k: float) -> "Work":
+        return Work(self.flops * k, self.bytes * k)
+
+    __rmul__ = __mul__
+
+
+def _visible_pairs(q: int, k: int, causal: bool) -> int:
+    """(query, key) pairs a call computes: all, or a causal call's (top-left aligned, as SDPA's
+    ``is_causal``; square in every call the planner's steps make)."""
+    if not causal:
+        return q * k
+    full = min(q, k)
+    return full * (full + 1) // 2 + max(0, q - k) * k
+
+
+def _cpu_flash_forward(q, k, v, dropout_p=0.0, is_causal=False, *args, **kwargs) -> int:
+    B, H, Lq, D = q.shape
+    return 2 * B * H * _visible_pairs(Lq, k.shape[-2], is_causal) * (D + v.shape[-1])
+
+
+def _cpu_flash_backward(grad_out, q, k, v, out, lse, dropout_p=0.0, is_causal=False, *args, **kwargs) -> int:
+    B, H, Lq, D = q.shape
+    pairs = _visible_pairs(Lq, k.shape[-2], is_causal)
+    # scores recomputed (q.k), dO.V^T (v), P^T.dO (v), dS.K (q.k), dS^T.Q (q.k)
+    return 2 * B * H * pairs * (3 * D + 2 * v.shape[-1])
+
+
+def _grouped_mm(a, b, *args, **kwargs) -> int:
+    """``out = a @ b`` in groups: every element of ``out`` is one dot product over the contraction
+    (a's last dimension for a 2-D x 3-D product; the grouped rows for 2-D x 2-D, a weight gradient)."""
+    if a.dim() == 2 and b.dim() == 3:  # (M, K) x (E, K, N): each row meets one expert
+        return 2 * a.shape[0] * a.shape[1] * b.shape[2]
+    if a.dim() == 2 and b.dim() == 2:  # (K, M) x (M, N) grouped over M -> (E, K, N)
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    if a.dim() == 3 and b.dim() == 2:  # (E, M, K) x (K, N)?
+        return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[1]
+    return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]  # batched (E, M, K) x (E, K, N)
+
+
+_EXTRA = {aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_forward,
+          aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward}
+if hasattr(aten, "_grouped_mm"):
+    _EXTRA[aten._grouped_mm] = _grouped_mm
+
+_NO_DATA = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided,
+            aten.detach, aten.alias, aten.lift_fresh, aten.set_, aten.resize_}
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class WorkCounter(TorchDispatchMode):
+    """Counts ``Work`` of the ops run inside it (on real or fake tensors)."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+        self.bytes = 0
+
+    @property
+    def work(self) -> Work:
+        return Work(float(self.flops), float(self.bytes))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        if packet in _EXTRA:
+            self.flops += _EXTRA[packet](*args, **kwargs)
+        elif packet in flop_registry:
+            self.flops += flop_registry[packet](*args, **kwargs, out_val=out)
+        elif packet not in _NO_DATA and not func.is_view:
+            outputs = list(_tensors(out))
+            if not outputs:  # (metadata: prim.device, sym_size, ...)
+                return out
+            inputs = list(_tensors(args)) + list(_tensors(kwargs))
+            seen = {t.untyped_storage()._cdata for t in inputs}
+            fresh = [t for t in outputs if t.untyped_storage()._cdata not in seen]
+            if not fresh and not func._schema.is_mutable:  # a view by another name (_unsafe_view, ...)
+                return out
+            self.bytes += sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in fresh)
+        return out
+
+
+def count_work(fn, *args, **kwargs) -> tuple[object, Work]:
+    """Run ``fn`` under a ``WorkCounter``; its result and the work counted."""
+    with WorkCounter() as counter:
+        result = fn(*args, **kwargs)
+    return result, counter.work
+
+
+def quadratic_through(points: list[tuple[int, Work]]):
+    """The degree-two polynomial in T through three (T, work) points, as a function of T (exact
+    where the work is: attention over T keys at whole chunks)."""
+    (t0, w0), (t1, w1), (t2, w2) = points[-3:]
+
+    def at(T: int) -> Work:
+        l0 = (T - t1) * (T - t2) / ((t0 - t1) * (t0 - t2))
+        l1 = (T - t0) * (T - t2) / ((t1 - t0) * (t1 - t2))
+        l2 = (T - t0) * (T - t1) / ((t2 - t0) * (t2 - t1))
+        return w0 * l0 + w1 * l1 + w2 * l2
+
+    return at

@@ -1,0 +1,337 @@
+"""leanbp plan for real set-ups: the engines' shares and buffers, the optimizers' state, the host
+budget, the work counter and the step-time model. Each modeled quantity has a test that fails when
+the quantity is wrong: against the real optimizer's state, a real FSDP2 / DDP on a process group of
+this process, a real step's FLOPs under the same counter, or arithmetic the model must obey."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+
+from leanbp import StreamConfig
+from leanbp.cli import main
+from leanbp.plan import GPUS, Planner, RankMemory, Setup, Work, WorkCounter, step_time, training_step
+from leanbp.plan._setup import parameter_tensors, rank_bytes
+
+
+def _config(layers=4, **extra):
+    return transformers.Qwen3Config(**{**dict(hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+                                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                              vocab_size=512, max_position_embeddings=4096,
+                                              tie_word_embeddings=False, attn_implementation="sdpa"), **extra})
+
+
+def _model(dtype=torch.float32, layers=4):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(_config(layers), dtype=dtype).train()
+
+
+def _state_bytes(optimizer) -> int:
+    storages = {}
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                t = v.to_local() if hasattr(v, "to_local") else v
+                storages[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+# -- set-up validation -------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(gpus=2, engine="single"), "single runs one GPU"),
+    (dict(gpus=0), "positive integer"),
+    (dict(engine="zero2", optimizer="adamw-bf16"), "fp32 copy"),
+    (dict(engine="fsdp2", optimizer="host", offload_params=True), "needs engine zero3"),
+    (dict(engine="zero3", optimizer="adamw", offload_params=True), "needs engine zero3"),
+    (dict(efficiency=1.5), "efficiency"),
+    (dict(gpu="tpu"), "gpu must be one of"),
+    (dict(optimizer="sgd"), "optimizer must be one of"),
+])
+def test_a_setup_that_cannot_run_is_a_clear_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Setup(**kwargs)
+
+
+def test_the_engine_defaults_to_single_for_one_gpu_and_ddp_for_more():
+    assert Setup().engine == "single" and Setup(gpus=8).engine == "ddp"
+    assert Setup().host_memory > 0  # this machine's RAM
+
+
+# -- optimizers: the real optimizer's state, byte for byte --------------------------------------
+@pytest.mark.parametrize("dtype, optimizer", [(torch.float32, "adamw"), (torch.bfloat16, "adamw-bf16")])
+def test_optimizer_state_is_torch_adamws_to_the_byte(dtype, optimizer):
+    """adamw on fp32 weights and adamw-bf16 on bf16 weights are torch.optim.AdamW: two moments in the
+    weights' dtype and a 4-byte step per tensor (fused or not)."""
+    model = _model(dtype)
+    for fused in (True, False):
+        opt = torch.optim.AdamW(model.parameters(), fused=fused)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        assert rank_bytes(parameter_tensors(model), Setup(optimizer=optimizer)).optimizer == _state_bytes(opt)
+
+
+def test_adamw_keeps_an_fp32_master_of_16_bit_weights_and_the_host_optimizer_nothing_on_the_device():
+    model = _model(torch.bfloat16)
+    tensors = parameter_tensors(model)
+    n, count = sum(t.numel for t in tensors), len(tensors)
+    assert rank_bytes(tensors, Setup(optimizer="adamw")).optimizer == 12 * n + 4 * count
+    assert rank_bytes(tensors, Setup(optimizer="adamw-bf16")).optimizer == 4 * n + 4 * count
+    host = rank_bytes(tensors, Setup(optimizer="host"))
+    assert host.optimizer == 0 and host.host == 16 * n  # fp32 master, its gradient, two moments
+    assert host.pcie == 2 * 2 * n  # bf16 gradients down, bf16 weights up
+
+
+def test_8bit_state_is_bitsandbytes_layout():
+    """bitsandbytes AdamW8bit: uint8 moments and an fp32 absmax per 256 for tensors of 4096+ elements,
+    fp32 moments below; with bitsandbytes installed, its real state."""
+    model = _model(torch.float32)
+    tensors = parameter_tensors(model)
+    expected = sum(2 * t.numel + 8 * math.ceil(t.numel / 256) if t.numel >= 4096 else 8 * t.numel for t in tensors)
+    assert rank_bytes(tensors, Setup(optimizer="adamw-8bit")).optimizer == expected + 2 * 256 * 4
+    bnb = pytest.importorskip("bitsandbytes")
+    opt = bnb.optim.AdamW8bit(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    try:
+        opt.step()
+    except Exception as e:  # (a bitsandbytes without a CPU backend for its 8-bit kernels)
+        pytest.skip(f"bitsandbytes cannot step on this CPU: {e}")
+    assert rank_bytes(tensors, Setup(optimizer="adamw-8bit")).optimizer == _state_bytes(opt)
+
+
+# -- engines: real DDP / FSDP2 in this process ---------------------------------------------------
+@pytest.fixture
+def fake_group():
+    """A process group of ``world`` fake ranks in this process (torch's "fake" backend: collectives
+    do nothing), rank 0 of it; torn down after the test."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    made = []
+
+    def make(world):
+        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+        made.append(world)
+
+    yield make
+    if made and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_shards_are_fully_shards_to_the_byte(fake_group, world):
+    """Weights, gradients and AdamW state of a rank under fully_shard are the planner's shares; where
+    every dim 0 divides by the world they are exactly 1/world of the whole."""
+    from torch.distributed.fsdp import fully_shard
+
+    fake_group(world)
+    model = _model(layers=2)
+    tensors = parameter_tensors(model)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    local = [p.to_local() for p in model.parameters()]
+    sharded = sum(t.untyped_storage().nbytes() for t in local)
+    share = rank_bytes(tensors, Setup(gpus=world, engine="fsdp2"))
+    full = sum(t.numel * t.itemsize for t in tensors)
+    root = sum(t.numel * t.itemsize for t in tensors if t.unit < 0)
+    assert share.weights - root == sharded  # (the root's weights stay unsharded through the step)
+    assert sharded * world == full  # every dim 0 of this model divides by 2 and 4
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    assert share.grads == sum(p.grad.to_local().untyped_storage().nbytes() for p in model.parameters())
+    opt.step()
+    assert share.optimizer == _state_bytes(opt)
+
+
+def test_fsdp2_pads_a_dim_0_that_does_not_divide():
+    t = parameter_tensors(_model(layers=2))[0]  # the embedding, 512 rows
+    odd = type(t)((511, 64), t.dtype, True, -1)
+    assert rank_bytes([odd], Setup(gpus=4, engine="fsdp2")).grads == 128 * 64 * 4  # ceil(511 / 4) rows
+
+
+def test_zero_partitions_are_one_over_world_and_ddp_adds_a_gradient_copy():
+    tensors = parameter_tensors(_model(layers=2))
+    full = sum(t.numel * t.itemsize for t in tensors)
+    n = sum(t.numel for t in tensors)
+    z3 = rank_bytes(tensors, Setup(gpus=4, engine="zero3"))
+    assert z3.weights == sum(math.ceil(t.numel / 4) * 4 for t in tensors) and z3.weights * 4 == full
+    assert z3.optimizer == 12 * math.ceil(n / 8) * 8 // 4 + 4  # fp32 master + two moments of the flat partition
+    z2 = rank_bytes(tensors, Setup(gpus=4, engine="zero2"))
+    assert z2.weights == math.ceil(n / 8) * 8 * 4 and z2.grads * 4 == z2.weights
+    ddp = rank_bytes(tensors, Setup(gpus=4, engine="ddp"))
+    assert (ddp.weights, ddp.grads, ddp.buffers) == (full, full, full)
+    assert ddp.collective == round(2 * 3 / 4 * full)  # ring all-reduce
+    host = rank_bytes(tensors, Setup(gpus=4, engine="zero3", optimizer="host", offload_params=True))
+    assert (host.weights, host.grads, host.optimizer) == (0, 0, 0)
+
+
+def test_ddp_buckets_are_one_more_copy_of_the_gradients(fake_group):
+    """The reducer's flat buckets (gradient_as_bucket_view=False): measured as they are allocated."""
+    fake_group(2)
+    with RankMemory() as mem:
+        model = _model(layers=2)
+        with mem.window() as w:
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+    del ddp
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert w.end - w.start == grads == rank_bytes(parameter_tensors(model), Setup(gpus=2, engine="ddp")).buffers
+
+
+# -- one rank's step: the planner against a whole-process measurement ----------------------------
+@pytest.mark.parametrize("method, dtype, optimizer", [("ckpt", "fp32", "adamw"), ("leanbp", "fp32", "adamw"),
+                                                      ("leanbp", "bf16", "adamw-bf16")])
+def test_a_full_step_with_its_optimizer_is_predicted_to_the_byte(method, dtype, optimizer):
+    """Everything the process holds (RankMemory, entered before the model is built): weights, resident
+    gradients, fused AdamW's state, activations, the optimizer step; the model's own buffers (RoPE)
+    aside."""
+    import leanbp
+    from leanbp.streaming import apply_method
+
+    stream = StreamConfig(chunk_size=64, head_chunk_size=32)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    ids = torch.randint(0, 512, (2, 320))
+    with RankMemory() as mem:
+        model = apply_method(_model(torch_dtype), method, stream)
+        opt = torch.optim.AdamW(model.parameters(), fused=True)
+        training_step(model, ids)
+        opt.step()
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        with mem.window() as w:
+            training_step(model, ids)
+            opt.step()
+    buffers = sum(b.untyped_storage().nbytes() for b in model.buffers())
+    planner = Planner(_config(), dtype=dtype, batch=2, stream=stream, setup=Setup(optimizer=optimizer))
+    assert planner.peak(method, 320, optimizer=True, probe=True).total == w.peak - buffers
+    assert leanbp.is_streamed(model) == (method == "leanbp")
+
+
+# -- host memory ------------------------------------------------------------------------------
+def test_the_host_budget_stops_offload_where_the_host_is_full():
+    cfg = _config()
+    BUDGET = 2**26  # (a small device: the searches stay short)
+    stream = StreamConfig(chunk_size=512, head_chunk_size=1024)
+    host = 2 * 2**20
+    planner = Planner(cfg, stream=stream, setup=Setup(host_memory=host))
+    found = planner.longest("leanbp_offload", BUDGET)
+    # (the device alone would take far more: the host stops it first)
+    assert found.bound == "host" and 0 < found.seq_len == found.host_seq_len < found.device_seq_len
+    assert planner.peak("leanbp_offload", found.seq_len).host <= host
+    assert planner.peak("leanbp_offload", found.seq_len + 512).host > host
+    # all ranks of the machine share it
+    two = Planner(cfg, stream=stream, setup=Setup(gpus=2, host_memory=host)).longest("leanbp_offload", BUDGET)
+    assert two.seq_len < found.seq_len
+
+
+# -- work and time --------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["plain", "ckpt", "leanbp", "leanbp_offload"])
+def test_the_fake_step_counts_the_flops_of_the_real_step(method):
+    """The same counter over the fake step (at the model's depth, from the depth line) and over the
+    real step: the same FLOPs, to the FLOP. leanbp's fake step takes every row as labelled (the
+    planner's assumption where no label can be read, ``leanbp.engine.has_values``), the real step's
+    causal shift leaves each sequence's last row without one: its head does two products of hidden x
+    vocabulary more (the row's logits and its hidden state's gradient). The other
+    ops' bytes agree to a few kB: the real step reads values the fake one cannot (the position ids,
+    to find packed documents)."""
+    from leanbp.streaming import apply_method
+
+    stream = StreamConfig(chunk_size=96, head_chunk_size=64)
+    model = apply_method(_model(), method, stream)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    with WorkCounter() as counter:
+        training_step(model, torch.randint(0, 512, (1, 384)))
+    planner = Planner(_config(), dtype="fp32", stream=stream)
+    planner.step(method, 384)
+    fake = planner.work(method, 384)
+    extra = 0 if method in ("plain", "ckpt") else 4 * 64 * 512  # one more labelled row in the head
+    assert counter.work.flops > 0 and fake.flops - counter.work.flops == extra
+    assert fake.bytes == pytest.approx(counter.work.bytes, rel=1e-3)
+
+
+def test_the_work_is_quadratic_in_t_through_the_probes():
+    """FLOPs are a polynomial of degree two in T (attention) to the FLOP; the other ops' bytes to 1%
+    (a few of them follow T less regularly)."""
+    planner = Planner(_config(), dtype="bf16", stream=StreamConfig(chunk_size=256, head_chunk_size=512))
+    for method in ("ckpt", "leanbp"):
+        planner.lines(method)
+        T = 3 * max(planner._probes[method])  # (beyond the probes: extrapolated)
+        by_polynomial = planner.work(method, T)
+        planner.step(method, T)
+        counted = planner.work(method, T)
+        assert by_polynomial.flops == pytest.approx(counted.flops, rel=1e-12)
+        assert by_polynomial.bytes == pytest.approx(counted.bytes, rel=1e-2)
+
+
+def test_causal_attention_counts_the_pairs_it_computes():
+    q = torch.zeros(1, 2, 8, 4)
+    with WorkCounter() as counter:
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0, True)
+    assert counter.work.flops == 2 * 2 * (8 * 9 // 2) * (4 + 4)
+    with WorkCounter() as counter:
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0, False)
+    assert counter.work.flops == 2 * 2 * 64 * 8
+
+
+def test_step_time_follows_rates_links_and_efficiency():
+    tensors = parameter_tensors(_model(layers=2))
+    work = Work(flops=989e12, bytes=3350e9)
+    one = step_time(work, Setup(efficiency=1.0), rank_bytes(tensors, Setup()), "bf16")
+    assert one.compute == pytest.approx(1.0) and one.memory == pytest.approx(1.0) and one.total == pytest.approx(2.0)
+    half = step_time(work, Setup(efficiency=0.5), rank_bytes(tensors, Setup()), "bf16")
+    assert half.total == pytest.approx(4.0)
+    h200 = step_time(work, Setup(gpu="h200", efficiency=1.0), rank_bytes(tensors, Setup()), "bf16")
+    assert h200.memory == pytest.approx(3350 / 4800)
+    setup = Setup(gpus=8, engine="fsdp2", efficiency=1.0)
+    share = rank_bytes(tensors, setup)
+    eight = step_time(Work(), setup, share, "bf16")
+    assert eight.comm == pytest.approx(share.collective / GPUS["h100"].nvlink) and eight.total == eight.comm
+    host = Setup(optimizer="host", efficiency=1.0)
+    stepped = step_time(Work(), host, rank_bytes(tensors, host), "bf16", optimizer=True)
+    assert stepped.optimizer > 0 and stepped.total == stepped.optimizer
+
+
+def test_a_planned_offload_step_moves_its_layer_boundaries_over_pcie():
+    cfg = _config()
+    planner = Planner(cfg, dtype="bf16", stream=StreamConfig(chunk_size=512, head_chunk_size=1024))
+    assert planner.offload_pcie_bytes("leanbp", 4096) == 0
+    moved = planner.offload_pcie_bytes("leanbp_offload", 4096)
+    # per layer: 2T in forward, (T - chunk) + 3T in backward; 3T around the decoder
+    assert moved == (4 * (2 * 4096 + 4096 - 512 + 3 * 4096) + 3 * 4096) * 64 * 2
+    assert planner.time("leanbp_offload", 4096).offload > 0
+
+
+# -- per-rank lines ------------------------------------------------------------------------------
+def test_each_engine_changes_only_what_it_holds():
+    cfg = _config()
+    stream = StreamConfig(chunk_size=256, head_chunk_size=512)
+    single = Planner(cfg, stream=stream).peak("leanbp", 4096)
+    ddp = Planner(cfg, stream=stream, setup=Setup(gpus=4, engine="ddp")).peak("leanbp", 4096)
+    assert ddp.total - single.total == ddp.grads == ddp.buffers  # one more copy of the gradients
+    assert ddp.activations == single.activations
+    fsdp = Planner(cfg, stream=stream, setup=Setup(gpus=4, engine="fsdp2")).peak("leanbp", 4096, optimizer=True)
+    full = Planner(cfg, stream=stream).peak("leanbp", 4096, optimizer=True)
+    assert fsdp.grads * 4 == full.grads and fsdp.activations == full.activations
+    assert fsdp.optimizer < full.optimizer / 3
+
+
+def test_cli_plans_several_gpus_and_states_the_setup(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    _config().to_json_file(str(cfg))
+    out = tmp_path / "plan"
+    assert main(["plan", "--model", str(cfg), "--memory", "64MiB", "--reserve", "0", "--seq-lens", "1024,4096",
+                 "--methods", "ckpt,leanbp_offload", "--chunk-size", "512", "--head-chunk-size", "1024",
+                 "--gpus", "4", "--engine", "zero3", "--optimizer", "host", "--offload-params", "--host-memory",
+                 "1GiB", "--gpu", "h200", "--efficiency", "0.4", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "4 x H200 SXM 141GB, engine zero3 with the weights offloaded to the host, optimizer host" in printed
+    assert "efficiency 0.4" in printed and "step s" in printed
+    assert main(["plan", "--model", str(cfg), "--gpus", "2", "--engine", "single", "--out", str(out)]) == 2
+    assert main(["plan", "--model", str(cfg), "--engine", "zero2", "--optimizer", "adamw-bf16",
+                 "--out", str(out)]) == 2
