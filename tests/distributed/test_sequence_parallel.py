@@ -1,9 +1,10 @@
 """Sequence parallelism (``leanbp.stream(model, sequence_parallel=group)``): one sequence over 2 and 4
 CPU processes (gloo), float64. Every rank's loss and the gradients summed over the group equal plain
 autograd on the whole sequence in one process, for the causal-LM loss and for a loss nonlinear in
-per-sequence sums (DPO's shape), across families, padding, packed documents, sliding windows,
-soft-capping, replicated K/V heads (P = 4 > 2 K/V heads) and chunks that do not divide a rank's rows.
-Each world size is spawned once for all its cases."""
+per-sequence sums (DPO's shape), across families, padding, packed documents, sliding windows
+(Mistral's on every layer, Gemma 3's on some), soft-capping, a mixture of experts, replicated K/V
+heads (P = 4 > 2 K/V heads) and chunks that do not divide a rank's rows. Each world size is
+spawned once for all its cases."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ CASES = {
         SequenceCase(family="qwen3", documents=True),
         SequenceCase(family="mistral", window=6, padding="right"),
         SequenceCase(family="gemma2", padding="left"),  # soft-capped attention, its own block path
+        SequenceCase(family="gemma3_text", window=6, padding="right"),  # sliding-window and global layers
         SequenceCase(family="qwen3_moe"),
         SequenceCase(seq_len=40, chunk_size=6, documents=True, objective="pairwise")],  # 20 rows: chunks of 6, 6, 6, 2
     4: [SequenceCase(padding="right", chunk_size=3),
