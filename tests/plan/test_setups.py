@@ -311,12 +311,13 @@ def test_a_planned_offload_step_moves_its_layer_boundaries_over_pcie():
 def test_each_engine_changes_only_what_it_holds():
     cfg = _config()
     stream = StreamConfig(chunk_size=256, head_chunk_size=512)
-    single = Planner(cfg, stream=stream).peak("leanbp", 4096)
+    one = Planner(cfg, stream=stream)  # (one GPU; its lines serve both modes)
+    single = one.peak("leanbp", 4096)
     ddp = Planner(cfg, stream=stream, setup=Setup(gpus=4, engine="ddp")).peak("leanbp", 4096)
     assert ddp.total - single.total == ddp.grads == ddp.buffers  # one more copy of the gradients
     assert ddp.activations == single.activations
     fsdp = Planner(cfg, stream=stream, setup=Setup(gpus=4, engine="fsdp2")).peak("leanbp", 4096, optimizer=True)
-    full = Planner(cfg, stream=stream).peak("leanbp", 4096, optimizer=True)
+    full = one.peak("leanbp", 4096, optimizer=True)
     assert fsdp.grads * 4 == full.grads and fsdp.activations == full.activations
     assert fsdp.optimizer < full.optimizer / 3
 
