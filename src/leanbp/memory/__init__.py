@@ -4,7 +4,8 @@ engine puts on its work, and memory sizes as people write them. (Predicting a de
 have is ``leanbp.plan``.)"""
 
 from ._sizes import GiB, MiB, parse_bytes
-from ._tracker import MemoryReport, count_host_storage, host_allocations, in_phase, phase, track
+from ._tracker import (MemoryReport, count_host_storage, host_allocations, in_phase, new_storages, op_tensors,
+                       phase, track)
 
-__all__ = ["GiB", "MemoryReport", "MiB", "count_host_storage", "host_allocations", "in_phase", "parse_bytes", "phase",
-           "track"]
+__all__ = ["GiB", "MemoryReport", "MiB", "count_host_storage", "host_allocations", "in_phase", "new_storages",
+           "op_tensors", "parse_bytes", "phase", "track"]

@@ -139,19 +139,8 @@ class _LiveStorageBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        # A view or an in-place result shares an input's storage: nothing new was allocated (this
-        # matters for views of tensors that existed before tracking began, e.g. weight.t()).
-        # Storages are told apart by their implementation (_cdata): fake ones all have address 0.
-        inputs = None
-        for t in _tensors(out):
-            storage = t.untyped_storage()
-            if storage in self._seen:
-                continue
-            if inputs is None:
-                inputs = {x.untyped_storage()._cdata for x in _tensors(args)} | \
-                    {x.untyped_storage()._cdata for x in _tensors(tuple((kwargs or {}).values()))}
-            if storage._cdata in inputs and storage.nbytes():
-                continue
+        # (a view of a tensor that existed before tracking began, e.g. weight.t(), allocates nothing)
+        for storage in new_storages(out, args, kwargs, self._seen):
             self._seen.add(storage)
             if not _HOST.inside:  # (host memory is counted by its store)
                 nbytes = storage.nbytes()
@@ -165,15 +154,38 @@ class _LiveStorageBytes(TorchDispatchMode):
         return out
 
 
-def _tensors(value):
-    """The (non-meta) tensors of an op's arguments or result: a tensor, or tensors in (nested)
-    lists and tuples (what aten ops take and return; cheaper than a pytree walk on every op)."""
+def op_tensors(value, meta: bool = False):
+    """The tensors of an op's arguments or result (meta tensors only when ``meta``): a tensor, or
+    tensors in (nested) lists, tuples and dicts (what aten ops take and return; cheaper than a
+    pytree walk on every op)."""
     if isinstance(value, torch.Tensor):
-        if value.device.type != "meta":
+        if meta or value.device.type != "meta":
             yield value
     elif isinstance(value, (list, tuple)):
         for v in value:
-            yield from _tensors(v)
+            yield from op_tensors(v, meta)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from op_tensors(v, meta)
+
+
+def new_storages(out, args, kwargs, known):
+    """The storages of an op's result that the op allocated: not in ``known``, and not an input's
+    (a view or an in-place result shares it; an input's empty storage that the op grew, as
+    ``resize_`` does, counts as new). Storages are told apart by their implementation (_cdata):
+    fake ones all have address 0. A caller that adds each yielded storage to ``known`` sees a
+    storage twice in one result once."""
+    inputs = None
+    for t in op_tensors(out):
+        storage = t.untyped_storage()
+        if storage in known:
+            continue
+        if inputs is None:  # (read only when the result has a storage not known yet)
+            inputs = {x.untyped_storage()._cdata for x in op_tensors(args)} | \
+                {x.untyped_storage()._cdata for x in op_tensors(kwargs or {})}
+        if storage._cdata in inputs and storage.nbytes():
+            continue
+        yield storage
 
 
 def _tensor_bytes(tensors) -> int:

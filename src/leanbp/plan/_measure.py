@@ -19,19 +19,9 @@ from contextlib import contextmanager
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..memory import new_storages
+
 __all__ = ["RankMemory"]
-
-
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        if value.device.type != "meta":
-            yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
 
 
 class RankMemory(TorchDispatchMode):
@@ -73,16 +63,7 @@ class RankMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = None
-        for t in _tensors(out):
-            storage = t.untyped_storage()
-            if storage in self._size:
-                continue
-            if inputs is None:
-                inputs = {x.untyped_storage()._cdata for x in _tensors(args)} | \
-                    {x.untyped_storage()._cdata for x in _tensors(kwargs or {})}
-            if storage._cdata in inputs and storage.nbytes():
-                continue
+        for storage in new_storages(out, args, kwargs, self._size):
             self._adopt(storage)
         return out
 

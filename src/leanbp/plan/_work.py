@@ -29,6 +29,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from ..memory import op_tensors
+
 __all__ = ["Work", "WorkCounter", "count_work", "quadratic_through"]
 
 aten = torch.ops.aten
@@ -95,17 +97,6 @@ _NO_DATA = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, ate
             aten.detach, aten.alias, aten.lift_fresh, aten.set_, aten.resize_}
 
 
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -131,10 +122,10 @@ class WorkCounter(TorchDispatchMode):
         elif packet in flop_registry:
             self.flops += flop_registry[packet](*args, **kwargs, out_val=out)
         elif packet not in _NO_DATA and not func.is_view:
-            outputs = list(_tensors(out))
+            outputs = list(op_tensors(out, meta=True))
             if not outputs:  # (metadata: prim.device, sym_size, ...)
                 return out
-            inputs = list(_tensors(args)) + list(_tensors(kwargs))
+            inputs = list(op_tensors(args, meta=True)) + list(op_tensors(kwargs, meta=True))
             seen = {t.untyped_storage()._cdata for t in inputs}
             fresh = [t for t in outputs if t.untyped_storage()._cdata not in seen]
             if not fresh and not func._schema.is_mutable:  # a view by another name (_unsafe_view, ...)
