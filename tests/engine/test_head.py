@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import leanbp
 from conftest import tiny_model
 from _helpers import make_batch
-from leanbp.testing import full_precision_norms, relative_errors
+from leanbp.testing import full_precision_norms, reference_causal_lm_loss, relative_errors
 from leanbp.engine import AutocastState
 from leanbp.engine import HeadCall, LogitTransform, shift_labels, token_stats
 
@@ -155,3 +155,28 @@ def test_a_hand_written_dpo_loss_on_token_log_probs_is_exact():
         dpo(logps.sum(-1), stream_ref["log_probs"].sum(-1)).backward()
     errs = relative_errors(plain, policy)
     assert errs and max(errs.values()) <= TOL
+
+
+def test_a_zeroed_resident_head_gradient_is_reused_and_every_scale_stays_exact():
+    """With gradients zeroed in place, the loss sums the head's weight gradient into that zero
+    tensor (no second (V, H) buffer); a scaled loss and a second micro-batch stay exact."""
+    ref = tiny_model("qwen3")
+    model = copy.deepcopy(ref)
+    ids, mask, labels = make_batch()
+    for m in (ref, model):
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
+    resident = model.lm_head.weight.grad.data_ptr()
+    with full_precision_norms(ref, model):
+        leanbp.stream(model, chunk_size=7)
+        for scale in (0.37, -2.0):  # the second micro-batch finds a non-zero gradient: a fresh sum
+            for m in (ref, model):
+                loss = (m(input_ids=ids, attention_mask=mask, labels=labels).loss if m is model
+                        else reference_causal_lm_loss(m, labels, input_ids=ids, attention_mask=mask))
+                if m is model and scale == 0.37:
+                    assert model.lm_head.weight.grad is None  # taken over until backward
+                (loss * scale).backward()
+            if scale == 0.37:
+                assert model.lm_head.weight.grad.data_ptr() == resident  # handed back, not copied
+            errs = relative_errors(ref, model)
+            assert len(errs) == len(list(model.parameters())) and max(errs.values()) <= 1e-12, errs

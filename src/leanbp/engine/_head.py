@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 from torch import nn
 
 from ..memory import in_phase
@@ -198,15 +199,43 @@ class _Rows:
     def head_grad_sums(self) -> dict[str, torch.Tensor]:
         """Running sums of a fused head's own gradients, added to in place chunk by chunk."""
         weight, bias = self.call.head_params()
-        return {name: torch.zeros_like(t, dtype=accumulation_dtype(t.dtype))
-                for name, t in (("weight", weight), ("bias", bias))
-                if t is not None and any(t is p for p in self.trainable)}
+        sums = {}
+        for name, t in (("weight", weight), ("bias", bias)):
+            if t is not None and any(t is p for p in self.trainable):
+                borrowed = _borrow_zero_grad(t)
+                sums[name] = torch.zeros_like(t, dtype=accumulation_dtype(t.dtype)) if borrowed is None else borrowed
+        return sums
 
     def finish(self, grads: GradSum, head_grads: dict) -> None:
         if head_grads:
             weight, bias = self.call.head_params()
             grads.add([head_grads.get("weight") if p is weight else head_grads.get("bias") if p is bias else None
                        for p in self.trainable], owned=True)
+
+
+def _borrow_zero_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """The parameter's resident gradient, taken over as the running sum, if it holds only zeros.
+
+    Memory: a training loop that zeroes gradients in place (``zero_grad(set_to_none=False)``, as
+    the bench's steady state does) keeps a (V, H) zero tensor resident through the head; summing
+    into a second one would hold both at the head's peak. The zeros are taken instead, and
+    ``param.grad`` is None until backward hands the scaled sum back through autograd, which
+    adopts the tensor (nothing else holds it) and runs every gradient hook as usual. Exact for
+    any dL/dloss: the sum started from zero, so scaling it in backward scales only this loss's
+    part. A forward with no backward leaves ``param.grad`` None, which every optimizer reads as
+    the zero it was. Only a gradient that owns its memory qualifies: a view into an engine's
+    buffer (DDP's gradient_as_bucket_view) is that engine's to write.
+    """
+    grad = param.grad
+    if (grad is None or grad._base is not None or grad.dtype != accumulation_dtype(param.dtype)
+            or grad.shape != param.shape or not grad.is_contiguous()):
+        return None
+    if is_fake(grad):
+        pass  # no values to read: the planner's fake gradients stand for a loop's zeroed ones
+    elif type(grad) is not torch.Tensor or grad.any():
+        return None
+    param.grad = None
+    return grad
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
