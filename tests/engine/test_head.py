@@ -157,26 +157,48 @@ def test_a_hand_written_dpo_loss_on_token_log_probs_is_exact():
     assert errs and max(errs.values()) <= TOL
 
 
-def test_a_zeroed_resident_head_gradient_is_reused_and_every_scale_stays_exact():
-    """With gradients zeroed in place, the loss sums the head's weight gradient into that zero
-    tensor (no second (V, H) buffer); a scaled loss and a second micro-batch stay exact."""
+def test_zeroed_resident_gradients_are_summed_into_and_every_scale_stays_exact():
+    """With gradients zeroed in place, every streamed Function sums into the parameter's own zero
+    tensor (no second buffer: the head's is (V, H)); the loss holds the head's until backward. A
+    scaled loss and a second micro-batch (non-zero gradients: fresh sums) stay exact."""
     ref = tiny_model("qwen3")
     model = copy.deepcopy(ref)
     ids, mask, labels = make_batch()
     for m in (ref, model):
         for p in m.parameters():
             p.grad = torch.zeros_like(p)
-    resident = model.lm_head.weight.grad.data_ptr()
+    resident = {name: p.grad.data_ptr() for name, p in model.named_parameters()}
     with full_precision_norms(ref, model):
         leanbp.stream(model, chunk_size=7)
-        for scale in (0.37, -2.0):  # the second micro-batch finds a non-zero gradient: a fresh sum
+        for scale in (0.37, -2.0):
             for m in (ref, model):
                 loss = (m(input_ids=ids, attention_mask=mask, labels=labels).loss if m is model
                         else reference_causal_lm_loss(m, labels, input_ids=ids, attention_mask=mask))
                 if m is model and scale == 0.37:
                     assert model.lm_head.weight.grad is None  # taken over until backward
                 (loss * scale).backward()
-            if scale == 0.37:
-                assert model.lm_head.weight.grad.data_ptr() == resident  # handed back, not copied
+            if scale == 0.37:  # handed back, not copied
+                assert {name: p.grad.data_ptr() for name, p in model.named_parameters()} == resident
             errs = relative_errors(ref, model)
-            assert len(errs) == len(list(model.parameters())) and max(errs.values()) <= 1e-12, errs
+            assert len(errs) == len(resident) and max(errs.values()) <= 1e-12, errs
+
+
+def test_only_a_zero_gradient_that_owns_its_memory_is_taken_over():
+    from leanbp.engine._grads import GradSum
+
+    zero, nonzero, view, low = (torch.nn.Parameter(torch.ones(4, 3)) for _ in range(4))
+    low.data = low.data.bfloat16()
+    zero.grad = torch.zeros(4, 3)
+    nonzero.grad = torch.zeros(4, 3)
+    nonzero.grad[2, 1] = 1.0
+    bucket = torch.zeros(20)  # an engine's flat buffer (DDP's gradient_as_bucket_view)
+    view.grad = bucket[:12].view(4, 3)
+    low.grad = torch.zeros(4, 3, dtype=torch.bfloat16)  # its sum is kept in fp32
+    kept = {p: p.grad for p in (nonzero, view, low)}
+    taken = zero.grad
+    sums = GradSum([zero, nonzero, view, low])
+    assert zero.grad is None and all(p.grad is g for p, g in kept.items())
+    sums.add([torch.full((4, 3), 2.0)] * 4)
+    out = sums.result(scale=0.5)
+    assert out[0].data_ptr() == taken.data_ptr() and torch.equal(out[0], torch.ones(4, 3))
+    assert all(o.data_ptr() != g.data_ptr() and torch.equal(o.float(), torch.ones(4, 3)) for o, g in zip(out[1:], kept.values()))

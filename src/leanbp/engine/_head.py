@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import is_fake
 from torch import nn
 
 from ..memory import in_phase
-from ._grads import AutocastState, GradSum, accumulation_dtype
+from ._grads import AutocastState, GradSum
 from ._module_call import call_through
 from ._value_reads import labelled_rows
 
@@ -196,46 +195,11 @@ class _Rows:
             return self.flat.masked_fill_((self.targets == IGNORE_INDEX)[:, None], 0)
         return torch.zeros_like(self.flat)
 
-    def head_grad_sums(self) -> dict[str, torch.Tensor]:
-        """Running sums of a fused head's own gradients, added to in place chunk by chunk."""
+    def head_grad_sums(self, grads: GradSum) -> dict[str, torch.Tensor]:
+        """The running sums of a fused head's own gradients (in ``grads``), added to in place chunk by chunk."""
         weight, bias = self.call.head_params()
-        sums = {}
-        for name, t in (("weight", weight), ("bias", bias)):
-            if t is not None and any(t is p for p in self.trainable):
-                borrowed = _borrow_zero_grad(t)
-                sums[name] = torch.zeros_like(t, dtype=accumulation_dtype(t.dtype)) if borrowed is None else borrowed
-        return sums
-
-    def finish(self, grads: GradSum, head_grads: dict) -> None:
-        if head_grads:
-            weight, bias = self.call.head_params()
-            grads.add([head_grads.get("weight") if p is weight else head_grads.get("bias") if p is bias else None
-                       for p in self.trainable], owned=True)
-
-
-def _borrow_zero_grad(param: torch.Tensor) -> torch.Tensor | None:
-    """The parameter's resident gradient, taken over as the running sum, if it holds only zeros.
-
-    Memory: a training loop that zeroes gradients in place (``zero_grad(set_to_none=False)``, as
-    the bench's steady state does) keeps a (V, H) zero tensor resident through the head; summing
-    into a second one would hold both at the head's peak. The zeros are taken instead, and
-    ``param.grad`` is None until backward hands the scaled sum back through autograd, which
-    adopts the tensor (nothing else holds it) and runs every gradient hook as usual. Exact for
-    any dL/dloss: the sum started from zero, so scaling it in backward scales only this loss's
-    part. A forward with no backward leaves ``param.grad`` None, which every optimizer reads as
-    the zero it was. Only a gradient that owns its memory qualifies: a view into an engine's
-    buffer (DDP's gradient_as_bucket_view) is that engine's to write.
-    """
-    grad = param.grad
-    if (grad is None or grad._base is not None or grad.dtype != accumulation_dtype(param.dtype)
-            or grad.shape != param.shape or not grad.is_contiguous()):
-        return None
-    if is_fake(grad):
-        pass  # no values to read: the planner's fake gradients stand for a loop's zeroed ones
-    elif type(grad) is not torch.Tensor or grad.any():
-        return None
-    param.grad = None
-    return grad
+        return {name: grads.sum_of(i) for name, t in (("weight", weight), ("bias", bias)) if t is not None
+                for i, p in enumerate(self.trainable) if p is t}
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -270,8 +234,8 @@ class ChunkedCrossEntropyFunction(torch.autograd.Function):
         if n_rows and not (torch.is_tensor(denominator) or denominator):
             raise ValueError(f"num_items_in_batch is 0 but the batch has {n_rows} labelled tokens")
         total = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
-        grads = GradSum(r.trainable)
-        head_grads = r.head_grad_sums() if want_grad and call.fused else {}
+        grads = GradSum(r.trainable if want_grad else [])  # (takes zeroed gradients: only when it returns them)
+        head_grads = r.head_grad_sums(grads) if want_grad and call.fused else {}
         dflat = r.grad_buffer() if want_grad and r.need_input else None
         for idx in r.chunks():
             rows, inputs = r.read(idx, want_grad)
@@ -293,7 +257,6 @@ class ChunkedCrossEntropyFunction(torch.autograd.Function):
                 grads.add(g)
                 del dz  # (the z buffer: gone before the next chunk's logits exist)
             del chunk, z, log_p
-        r.finish(grads, head_grads)
         loss = total / denominator  # no labelled row and no count: 0 / 0 = nan, as in transformers
         ctx.denominator = denominator
         ctx.n_rows = n_rows
@@ -376,7 +339,7 @@ class ChunkedTokenStatsFunction(torch.autograd.Function):
         g_lp = grad_log_probs.reshape(-1) if grad_log_probs is not None else None
         g_ent = grad_entropy.reshape(-1) if grad_entropy is not None else None
         grads = GradSum(r.trainable)
-        head_grads = r.head_grad_sums() if call.fused else {}
+        head_grads = r.head_grad_sums(grads) if call.fused else {}
         dflat = r.grad_buffer() if r.need_input else None
         done = 0
         for idx in r.chunks():
@@ -407,7 +370,6 @@ class ChunkedTokenStatsFunction(torch.autograd.Function):
                 dflat.index_copy_(0, idx, g.pop(0))
             grads.add(g)
             del chunk, z, dz
-        r.finish(grads, head_grads)
         dinput = dflat.view(ctx.hidden_shape) if dflat is not None else None
         return (dinput, None, None, *_param_grads(ctx, grads.result(zeros_for_missing=True), 3))
 
