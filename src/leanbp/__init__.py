@@ -5,14 +5,14 @@ import warnings
 
 from . import engine, memory, plan, streaming
 from .approx import approx, is_approximated, unapprox
-from .streaming import (StreamConfig, StreamWarning, chunk_size_used, is_streamed, reduce_sequence_gradients, sequence_rows,
-                        sequence_sum, stream, token_log_probs, unstream)
+from .streaming import (StreamConfig, StreamWarning, chunk_size_used, is_streamed, reduce_sequence_gradients,
+                        sequence_batch, sequence_rows, sequence_sum, stream, token_log_probs, unstream)
 
 __version__ = "0.1.0"
 
 __all__ = ["StreamConfig", "StreamWarning", "approx", "chunk_size_used", "is_approximated", "is_streamed", "memory",
-           "reduce_sequence_gradients", "sequence_rows", "sequence_sum", "stream", "token_log_probs", "unapprox",
-           "unstream", "__version__"]
+           "reduce_sequence_gradients", "sequence_batch", "sequence_rows", "sequence_sum", "stream", "token_log_probs",
+           "unapprox", "unstream", "__version__"]
 
 
 def _moved(old_home, names: tuple[str, ...], new_home) -> None:

@@ -3,8 +3,8 @@ CPU processes (gloo), float64. Every rank's loss and the gradients summed over t
 autograd on the whole sequence in one process, for the causal-LM loss and for a loss nonlinear in
 per-sequence sums (DPO's shape), across families, padding, packed documents, sliding windows
 (Mistral's on every layer, Gemma 3's on some), soft-capping, a mixture of experts, replicated K/V
-heads (P = 4 > 2 K/V heads) and chunks that do not divide a rank's rows. Each world size is
-spawned once for all its cases."""
+heads (P = 4 > 2 K/V heads), chunks that do not divide a rank's rows and sequences that do not
+divide over P (padded by ``sequence_batch``). Each world size is spawned once for all its cases."""
 
 from __future__ import annotations
 
@@ -29,9 +29,11 @@ CASES = {
         SequenceCase(family="gemma2", padding="left"),  # soft-capped attention, its own block path
         SequenceCase(family="gemma3_text", window=6, padding="right"),  # sliding-window and global layers
         SequenceCase(family="qwen3_moe"),
-        SequenceCase(seq_len=40, chunk_size=6, documents=True, objective="pairwise")],  # 20 rows: chunks of 6, 6, 6, 2
+        SequenceCase(seq_len=40, chunk_size=6, documents=True, objective="pairwise"),  # 20 rows: chunks of 6, 6, 6, 2
+        SequenceCase(seq_len=33, padding="left")],  # padded to 34 by sequence_batch
     4: [SequenceCase(padding="right", chunk_size=3),
-        SequenceCase(family="qwen3", documents=True, objective="pairwise")],
+        SequenceCase(family="qwen3", documents=True, objective="pairwise"),
+        SequenceCase(seq_len=30, chunk_size=3, documents=True)],  # padded to 32
 }
 
 
@@ -79,3 +81,20 @@ def test_a_sequence_that_does_not_split_evenly_is_refused_with_the_fix(monkeypat
     with pytest.raises(ValueError, match="pad it to a multiple of 3"):
         leanbp.sequence_rows(model, torch.zeros(1, 8))
     assert leanbp.sequence_rows(model, torch.arange(9).unsqueeze(0)).tolist() == [[3, 4, 5]]
+
+
+def test_sequence_batch_pads_to_a_multiple_of_the_group_with_rows_that_change_nothing():
+    model = tiny_model("llama")
+    leanbp.stream(model)
+    from leanbp.streaming._state import state_of
+    state_of(model).sequence = SequenceGroup(group=None, rank=2, size=3)  # (the last rank of a group of 3)
+    ids = torch.arange(1, 9)[None]  # T = 8 -> 9
+    rows = leanbp.sequence_batch(model, input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids),
+                                 position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]), inputs_embeds=None)
+    assert rows["input_ids"].tolist() == [[7, 8, 0]] and rows["labels"].tolist() == [[7, 8, -100]]
+    assert rows["attention_mask"].tolist() == [[1, 1, 0]] and rows["position_ids"].tolist() == [[3, 4, 5]]
+    assert rows["inputs_embeds"] is None
+    with pytest.raises(ValueError, match="does not know how to pad"):
+        leanbp.sequence_batch(model, input_ids=ids, token_type_ids=ids)
+    with pytest.raises(ValueError, match="different lengths"):
+        leanbp.sequence_batch(model, input_ids=ids, labels=ids[:, :4])

@@ -15,11 +15,11 @@ setting once; ``METHODS`` names the ways a step can run that leanbp is compared 
 from ._config import StreamConfig, StreamWarning, old_chunk_sizes, parse_chunk_size
 from ._forwards import token_log_probs
 from ._methods import METHODS, PLANNED, Method, apply_method, method
-from ._sequence import reduce_sequence_gradients, sequence_rows, sequence_sum
+from ._sequence import reduce_sequence_gradients, sequence_batch, sequence_rows, sequence_sum
 from ._state import causal_lm_of
 from ._stream import accept_attention_implementation, chunk_size_used, is_streamed, resolve_config, stream, unstream
 
 __all__ = ["METHODS", "Method", "PLANNED", "StreamConfig", "StreamWarning", "accept_attention_implementation",
            "apply_method", "causal_lm_of", "chunk_size_used", "is_streamed", "method", "old_chunk_sizes", "parse_chunk_size",
-           "reduce_sequence_gradients", "resolve_config", "sequence_rows", "sequence_sum", "stream", "token_log_probs",
+           "reduce_sequence_gradients", "resolve_config", "sequence_batch", "sequence_rows", "sequence_sum", "stream", "token_log_probs",
            "unstream"]

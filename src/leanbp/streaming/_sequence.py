@@ -4,9 +4,10 @@ hand each rank its rows, sum a per-sequence quantity over the group, sum the gra
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from ..engine import SequenceGroup, reduce_gradients, sum_over_group
+from ..engine import IGNORE_INDEX, SequenceGroup, reduce_gradients, sum_over_group
 from ._state import causal_lm_of, state_of
 
 
@@ -19,14 +20,45 @@ def _group(model: nn.Module) -> SequenceGroup:
 
 def sequence_rows(model: nn.Module, t: torch.Tensor) -> torch.Tensor:
     """This rank's rows (dim 1) of a whole-sequence tensor: rank r takes rows [r T/P, (r+1) T/P).
-    T must be a multiple of the group's size P (pad with labels -100 and attention mask 0)."""
+    T must be a multiple of the group's size P (``sequence_batch`` pads a batch to one)."""
     sp = _group(model)
     T = t.shape[1]
     if T % sp.size:
         raise ValueError(f"a sequence of {T} rows does not split over {sp.size} ranks: pad it to a multiple of "
-                         f"{sp.size} (labels -100, attention mask 0)")
+                         f"{sp.size} (labels -100, attention mask 0), as leanbp.sequence_batch does")
     n = T // sp.size
     return t[:, sp.offset(n): sp.offset(n) + n]
+
+
+# how ``sequence_batch`` fills the rows it appends: no label, masked out, a token id that exists
+_FILL = {"input_ids": 0, "labels": IGNORE_INDEX, "attention_mask": 0}
+
+
+def sequence_batch(model: nn.Module, **batch: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
+    """This rank's rows of every (B, T) tensor of a batch (``input_ids``, ``labels``,
+    ``attention_mask``, ``position_ids``; None stays None), after padding T on the right to a
+    multiple of the group's size P: the appended rows carry no label (-100), are masked out and
+    continue the positions. Exact for a causal model: a row appended at the end changes no
+    earlier row, and a row without a label adds nothing to any loss or count."""
+    sp = _group(model)
+    given = {k: v for k, v in batch.items() if v is not None}
+    unknown = set(given) - {*_FILL, "position_ids"}
+    if unknown:
+        raise ValueError(f"sequence_batch pads {sorted({*_FILL, 'position_ids'})}; it does not know how to pad "
+                         f"{sorted(unknown)}: pad those to a multiple of {sp.size} rows and use sequence_rows")
+    lengths = {v.shape[1] for v in given.values()}
+    if len(lengths) > 1:
+        raise ValueError(f"the batch's tensors have different lengths {sorted(lengths)}")
+    pad = -lengths.pop() % sp.size if lengths else 0
+    out = {}
+    for name, t in batch.items():
+        if t is not None and pad:
+            if name == "position_ids":  # (continuing the last position: no new document starts)
+                t = torch.cat([t, t[:, -1:] + torch.arange(1, pad + 1, device=t.device, dtype=t.dtype)], dim=1)
+            else:
+                t = F.pad(t, (0, pad), value=_FILL[name])
+        out[name] = None if t is None else sequence_rows(model, t)
+    return out
 
 
 def sequence_sum(model: nn.Module, t: torch.Tensor) -> torch.Tensor:

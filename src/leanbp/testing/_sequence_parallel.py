@@ -29,7 +29,7 @@ OBJECTIVES = ("lm", "pairwise")
 @dataclass(frozen=True)
 class SequenceCase:
     family: str = "llama"
-    seq_len: int = 32  # of the whole sequence (every rank holds seq_len / P rows)
+    seq_len: int = 32  # of the whole sequence (every rank holds seq_len / P rows, after padding to a multiple of P)
     chunk_size: int = 4
     padding: str = "none"  # none | left | right
     documents: bool = False  # packed rows: position ids that restart, no attention mask
@@ -105,20 +105,19 @@ def _reference(case: SequenceCase):
 def _sequence_parallel(case: SequenceCase):
     """The same on this rank's rows, streamed with ``sequence_parallel``: (loss, the model with the
     gradients summed over the group)."""
-    from ..streaming import reduce_sequence_gradients, sequence_rows, sequence_sum, stream, token_log_probs
+    from ..streaming import reduce_sequence_gradients, sequence_batch, sequence_sum, stream, token_log_probs
     from ._references import full_precision_norms
 
     model = _model(case)
     ids, mask, positions, labels = _batch(case, model.config.vocab_size)
     stream(model, chunk_size=case.chunk_size, head_chunk_size=3, sequence_parallel=True)
-    rows = lambda t: None if t is None else sequence_rows(model, t)  # noqa: E731
+    rows = sequence_batch(model, input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels)
     with full_precision_norms(model):
         if case.objective == "lm":
-            loss = model(input_ids=rows(ids), attention_mask=rows(mask), position_ids=rows(positions),
-                         labels=rows(labels)).loss
+            loss = model(**rows).loss
         else:
-            out = token_log_probs(model, rows(labels), input_ids=rows(ids), attention_mask=rows(mask),
-                                         position_ids=rows(positions))
+            labels = rows.pop("labels")
+            out = token_log_probs(model, labels, **rows)
             loss = _pairwise(sequence_sum(model, out["log_probs"].sum(1)))
         loss.backward()
     reduce_sequence_gradients(model)

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import transformers
 from tqdm import tqdm
 
@@ -28,7 +27,7 @@ from .._dtypes import dtype_named
 from ..approx import approx, variant_settings
 from ..engine import IGNORE_INDEX
 from ..memory import track
-from ..streaming import chunk_size_used, sequence_rows, stream
+from ..streaming import chunk_size_used, sequence_batch, stream
 from . import _checkpoint as checkpoints
 from ._config import NonFiniteError, TrainConfig
 from ._data import TokenData, load_tokenizer
@@ -153,15 +152,6 @@ def _sequence_group(cfg: TrainConfig, engine: Engine):
     return groups[engine.rank // cfg.sp]
 
 
-def _own_rows(model, batch: dict[str, torch.Tensor], sp: int) -> dict[str, torch.Tensor]:
-    """--sp: this rank's rows of a batch, padded first to a multiple of P (no label, masked out)."""
-    pad = -batch["input_ids"].shape[1] % sp
-    if pad:
-        fill = {"input_ids": 0, "attention_mask": 0, "labels": IGNORE_INDEX}
-        batch = {k: F.pad(v, (0, pad), value=fill[k]) for k, v in batch.items()}
-    return {k: sequence_rows(model, v) for k, v in batch.items()}
-
-
 def train_step(cfg: TrainConfig, engine: Engine, data: TokenData, step: int) -> StepResult:
     """One optimizer step: each rank's micro-batches, forward and backward, clip, step (or skip)."""
     device = engine.device
@@ -186,7 +176,7 @@ def train_step(cfg: TrainConfig, engine: Engine, data: TokenData, step: int) -> 
         with track(engine.model, device=device) if _trackable(engine) else nullcontext() as mem:
             for b in batches:
                 if cfg.sp > 1:
-                    b = _own_rows(engine.model, b, cfg.sp)
+                    b = sequence_batch(engine.model, **b)
                 b = {k: v.to(device) for k, v in b.items()}
                 loss = engine.module(**b, num_items_in_batch=denominator).loss
                 engine.backward(loss)
