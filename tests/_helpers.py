@@ -63,3 +63,13 @@ def forced_probes(deepspeed_fp16: bool | None = None, pdeathsig: bool | None = N
         if answer is not None:
             env[name] = "1" if answer else "0"
     return env
+
+
+def plan_config(layers=4, **extra):
+    """The planner tests' tiny Qwen3 shape (its fake steps take seconds)."""
+    import transformers
+
+    return transformers.Qwen3Config(**{**dict(hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+                                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                              vocab_size=512, max_position_embeddings=4096,
+                                              tie_word_embeddings=False, attn_implementation="sdpa"), **extra})

@@ -182,7 +182,7 @@ def _add_plan(sub):
                    help="parameters and gradients")
     p.add_argument("--batch", type=int, default=_default(PlanRequest, "batch"), help="sequences per step and rank")
     p.add_argument("--seq-lens", help=f"comma-separated T to report (default {','.join(map(str, DEFAULT_SEQ_LENS))})")
-    p.add_argument("--methods", default=",".join(PLANNED), help=f"comma-separated, from {', '.join(PLANNED)}")
+    p.add_argument("--methods", help=f"comma-separated, from {', '.join(PLANNED)} (default: all; with --sp, leanbp)")
     p.add_argument("--mode", choices=["backprop", "step", "both"], default="both",
                    help="backprop: weights + gradients + activations (the StreamBP paper's setting); step: also "
                         "the optimizer's state and its step (--optimizer); both (default)")
@@ -198,7 +198,7 @@ def _add_plan(sub):
 
 
 # the Setup settings leanbp plan offers (all of them)
-_PLAN_SETUP = ("gpus", "engine", "optimizer", "offload_params", "host_memory", "gpu", "efficiency")
+_PLAN_SETUP = ("gpus", "sp", "engine", "optimizer", "offload_params", "host_memory", "gpu", "efficiency")
 
 
 def _plan(args) -> int:
@@ -210,7 +210,7 @@ def _plan(args) -> int:
     request = PlanRequest(model=args.model, memory=parse_bytes(args.memory) if args.memory else None, reserve=reserve,
                           dtype=args.dtype, batch=args.batch,
                           seq_lens=_ints(args.seq_lens, "--seq-lens") if args.seq_lens else list(DEFAULT_SEQ_LENS),
-                          methods=[m.strip() for m in args.methods.split(",") if m.strip()],
+                          methods=[m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None,
                           modes=["backprop", "step"] if args.mode == "both" else [args.mode],
                           stream=_stream_config(args, "plan"), hold_outputs=not args.free_outputs,
                           lora_rank=args.lora, setup=setup)

@@ -14,15 +14,11 @@ from leanbp import StreamConfig
 from leanbp.cli import main
 from leanbp.memory import parse_bytes
 from leanbp.plan import PRESETS, Planner, load_config, training_step
+from _helpers import plan_config as _config
 
 METHODS = ("plain", "ckpt", "leanbp", "leanbp_offload")
 
 
-def _config(layers=4):
-    return transformers.Qwen3Config(hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
-                                    max_position_embeddings=4096, tie_word_embeddings=False,
-                                    attn_implementation="sdpa")
 
 
 def _measured(config, method, T, hold_outputs, lora_rank=None):
@@ -61,23 +57,19 @@ def test_fake_step_predicts_the_measured_bytes_exactly(method, hold_outputs, lor
         (measured.peak, measured.params, measured.grads, measured.host)
 
 
-@pytest.fixture(scope="module")
-def planner():
-    """One planner for the tests below, so that they share its fake models and lines."""
-    return Planner(_config(), dtype="bf16", stream=StreamConfig(chunk_size=512, head_chunk_size=1024))
-
-
 @pytest.mark.parametrize("method", ["ckpt", "leanbp_offload"])
-def test_the_phase_lines_predict_a_longer_fake_step(planner, method):
+def test_the_phase_lines_predict_a_longer_fake_step(bf16_planner, method):
+    planner = bf16_planner
     lines = planner.lines(method)
-    T = 32768
-    assert lines.valid_from <= T // 8
+    T = 16384  # (twice the last probe of leanbp's lines, four times ckpt's)
+    assert lines.valid_from <= T // 8 and T > 2 * max(planner._probes[method]) - 1
     by_lines, probed = planner.peak(method, T), planner.peak(method, T, probe=True)
     assert not by_lines.probed and probed.probed
     assert (by_lines.total, by_lines.host, by_lines.phase) == (probed.total, probed.host, probed.phase)
 
 
-def test_longest_sequence_fits_and_one_more_block_does_not(planner):
+def test_longest_sequence_fits_and_one_more_block_does_not(bf16_planner):
+    planner = bf16_planner
     budget = 16 * 2**20
     for method, optimizer, step in (("ckpt", False, 256), ("leanbp", True, 512)):  # leanbp: whole chunks
         T, checked = planner.max_seq_len(method, budget, optimizer)
@@ -87,7 +79,8 @@ def test_longest_sequence_fits_and_one_more_block_does_not(planner):
     assert planner.max_seq_len("leanbp", budget)[0] > 4 * planner.max_seq_len("ckpt", budget)[0]
 
 
-def test_optimizer_state_is_two_fp32_moments_and_an_fp32_master_per_parameter(planner):
+def test_optimizer_state_is_two_fp32_moments_and_an_fp32_master_per_parameter(bf16_planner):
+    planner = bf16_planner
     """The default optimizer (adamw) on bf16 weights: two fp32 moments, an fp32 master copy, and
     torch AdamW's 4-byte step per tensor; the optimizer's own step is a phase of the full step."""
     params = list(transformers.AutoModelForCausalLM.from_config(_config()).parameters())

@@ -5,6 +5,7 @@ this process, a real step's FLOPs under the same counter, or arithmetic the mode
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -16,13 +17,7 @@ from leanbp import StreamConfig
 from leanbp.cli import main
 from leanbp.plan import GPUS, Planner, RankMemory, Setup, Work, WorkCounter, step_time, training_step
 from leanbp.plan._setup import parameter_tensors, rank_bytes
-
-
-def _config(layers=4, **extra):
-    return transformers.Qwen3Config(**{**dict(hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
-                                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                              vocab_size=512, max_position_embeddings=4096,
-                                              tie_word_embeddings=False, attn_implementation="sdpa"), **extra})
+from _helpers import plan_config as _config
 
 
 def _model(dtype=torch.float32, layers=4):
@@ -212,6 +207,88 @@ def test_a_full_step_with_its_optimizer_is_predicted_to_the_byte(method, dtype, 
     assert leanbp.is_streamed(model) == (method == "leanbp")
 
 
+# -- sequence parallelism --------------------------------------------------------------------------
+def _sequence_parallel_rank(rank: int, world: int, init: str, T: int, out: str) -> None:
+    """One rank of a real sequence-parallel step (gloo), measured as the planner's fake step is."""
+    import json
+
+    import leanbp
+    from leanbp.memory import track
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    sent = [0]
+    exchange = dist.all_to_all_single
+
+    def counted(output, input, *args, **kwargs):
+        sent[0] += input.numel() * input.element_size()
+        return exchange(output, input, *args, **kwargs)
+
+    try:
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(_config()).train()
+        leanbp.stream(model, chunk_size=64, head_chunk_size=32, sequence_parallel=True)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        ids = torch.zeros(2, T // world, dtype=torch.long)
+        dist.all_to_all_single = counted
+        with track(model) as mem:
+            training_step(model, ids)
+        dist.all_to_all_single = exchange
+        r = mem.report
+        with open(f"{out}/rank{rank}.json", "w") as f:
+            json.dump(dict(peak=r.peak, params=r.params, grads=r.grads, host=r.host, sent=sent[0]), f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sequence_parallel_step_is_predicted_to_the_byte_with_its_exchange(tmp_path):
+    """The fake step of rank 0 with ``Setup(sp=2)`` against rank 0 of a real 2-process step: memory
+    to the byte, and the bytes its all-to-alls send."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    T = 640
+    mp.spawn(_sequence_parallel_rank, args=(2, f"file://{tmp_path}/rendezvous", T, str(tmp_path)), nprocs=2)
+    measured = json.loads((tmp_path / "rank0.json").read_text())
+    planner = Planner(_config(), dtype="fp32", batch=2, stream=StreamConfig(chunk_size=64, head_chunk_size=32),
+                      setup=Setup(gpus=2, sp=2))
+    predicted = planner.step("leanbp", T)
+    assert (predicted.peak, predicted.params, predicted.grads, predicted.host) == \
+        (measured["peak"], measured["params"], measured["grads"], measured["host"])
+    assert planner.work("leanbp", T).exchange == measured["sent"] > 0
+    one = Planner(_config(), dtype="fp32", batch=2, stream=StreamConfig(chunk_size=64, head_chunk_size=32))
+    assert predicted.activations < one.step("leanbp", T).activations  # (rank 0 holds half the rows)
+
+
+def test_sequence_parallelism_plans_leanbp_on_whole_chunks_of_each_ranks_rows():
+    with pytest.raises(ValueError, match="divides gpus"):
+        Setup(gpus=4, sp=3)
+    planner = Planner(_config(), stream=StreamConfig(chunk_size=64, head_chunk_size=32), setup=Setup(gpus=4, sp=2))
+    with pytest.raises(ValueError, match="does not split a sequence"):
+        planner.step("ckpt", 1024)
+    with pytest.raises(ValueError, match="does not split over sp=2"):
+        planner.step("leanbp", 1025)
+    with pytest.raises(ValueError, match="splits the 4 query heads"):
+        Planner(_config(), setup=Setup(gpus=8, sp=8)).step("leanbp", 8 * 2048)
+
+
+def test_cli_plans_sequence_parallelism_for_leanbp(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    _config().to_json_file(str(cfg))
+    args = ["plan", "--model", str(cfg), "--memory", "64MiB", "--reserve", "0", "--seq-lens", "4096",
+            "--chunk-size", "256", "--head-chunk-size", "512", "--gpus", "4", "--sp", "2", "--mode", "backprop",
+            "--out", str(tmp_path / "plan")]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "each sequence over 2 of them (sequence parallelism)" in printed
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert {p["method"] for p in plan["peaks"]} == {"leanbp"} and plan["longest"][0]["max_seq_len"] % 512 == 0
+    assert main(args[:-2] + ["--methods", "ckpt,leanbp", "--out", str(tmp_path / "plan")]) == 2
+    assert "do not split a sequence" in capsys.readouterr().err
+
+
 # -- host memory ------------------------------------------------------------------------------
 def test_the_host_budget_stops_offload_where_the_host_is_full():
     cfg = _config()
@@ -225,7 +302,7 @@ def test_the_host_budget_stops_offload_where_the_host_is_full():
     assert planner.peak("leanbp_offload", found.seq_len).host <= host
     assert planner.peak("leanbp_offload", found.seq_len + 512).host > host
     # all ranks of the machine share it
-    two = Planner(cfg, stream=stream, setup=Setup(gpus=2, host_memory=host)).longest("leanbp_offload", BUDGET)
+    two = planner.with_setup(Setup(gpus=2, host_memory=host)).longest("leanbp_offload", BUDGET)
     assert two.seq_len < found.seq_len
 
 
@@ -297,9 +374,8 @@ def test_step_time_follows_rates_links_and_efficiency():
     assert stepped.optimizer > 0 and stepped.total == stepped.optimizer
 
 
-def test_a_planned_offload_step_moves_its_layer_boundaries_over_pcie():
-    cfg = _config()
-    planner = Planner(cfg, dtype="bf16", stream=StreamConfig(chunk_size=512, head_chunk_size=1024))
+def test_a_planned_offload_step_moves_its_layer_boundaries_over_pcie(bf16_planner):
+    planner = bf16_planner
     assert planner.offload_pcie_bytes("leanbp", 4096) == 0
     moved = planner.offload_pcie_bytes("leanbp_offload", 4096)
     # per layer: 2T in forward, (T - chunk) + 3T in backward; 3T around the decoder
@@ -308,15 +384,25 @@ def test_a_planned_offload_step_moves_its_layer_boundaries_over_pcie():
 
 
 # -- per-rank lines ------------------------------------------------------------------------------
-def test_each_engine_changes_only_what_it_holds():
-    cfg = _config()
-    stream = StreamConfig(chunk_size=256, head_chunk_size=512)
-    one = Planner(cfg, stream=stream)  # (one GPU; its lines serve both modes)
+def test_a_planner_on_another_setup_shares_its_fake_steps_and_agrees_with_a_fresh_one():
+    stream = StreamConfig(chunk_size=64, head_chunk_size=32)
+    base = Planner(_config(layers=2), dtype="fp32", stream=stream)
+    setup = Setup(gpus=4, engine="fsdp2", optimizer="adamw-bf16")
+    shared = base.with_setup(setup)
+    assert shared.setup == setup and base.setup == Setup()
+    fresh = Planner(_config(layers=2), dtype="fp32", stream=stream, setup=setup)
+    assert shared.peak("leanbp", 1024, optimizer=True) == fresh.peak("leanbp", 1024, optimizer=True)
+    assert base._lines.keys() == {"leanbp"}  # the shared planner's lines are the base's
+    assert base.peak("leanbp", 1024, optimizer=True) != shared.peak("leanbp", 1024, optimizer=True)
+
+
+def test_each_engine_changes_only_what_it_holds(bf16_planner):
+    one = bf16_planner  # (one GPU; its lines serve every set-up)
     single = one.peak("leanbp", 4096)
-    ddp = Planner(cfg, stream=stream, setup=Setup(gpus=4, engine="ddp")).peak("leanbp", 4096)
+    ddp = one.with_setup(Setup(gpus=4, engine="ddp")).peak("leanbp", 4096)
     assert ddp.total - single.total == ddp.grads == ddp.buffers  # one more copy of the gradients
     assert ddp.activations == single.activations
-    fsdp = Planner(cfg, stream=stream, setup=Setup(gpus=4, engine="fsdp2")).peak("leanbp", 4096, optimizer=True)
+    fsdp = one.with_setup(Setup(gpus=4, engine="fsdp2")).peak("leanbp", 4096, optimizer=True)
     full = one.peak("leanbp", 4096, optimizer=True)
     assert fsdp.grads * 4 == full.grads and fsdp.activations == full.activations
     assert fsdp.optimizer < full.optimizer / 3

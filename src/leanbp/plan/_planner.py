@@ -45,9 +45,9 @@ from dataclasses import InitVar, dataclass, field
 import torch
 
 from .._dtypes import dtype_named
-from ..engine import has_values
+from ..engine import SequenceGroup, has_values
 from ..memory import MemoryReport, track
-from ..streaming import PLANNED, StreamConfig, apply_method, old_chunk_sizes
+from ..streaming import PLANNED, StreamConfig, apply_method, old_chunk_sizes, stream, unstream
 from ..streaming import method as method_named
 from ._presets import PRESETS, load_config  # noqa: F401  (re-exported: leanbp.plan.PRESETS)
 from ._setup import RankBytes, Setup, parameter_tensors, rank_bytes
@@ -58,6 +58,33 @@ from ._work import Work, WorkCounter, quadratic_through
 PLAN_DTYPES = ("bf16", "fp16", "fp32")
 
 OPTIMIZER_STEP = "optimizer step"  # the phase of the optimizer's own step (after backward)
+
+
+@dataclass(frozen=True)
+class PlannedSequenceGroup(SequenceGroup):
+    """Rank 0 of a sequence-parallel group of ``size`` ranks, for a fake step: each collective
+    allocates its result as the real one does and moves nothing (fake tensors have no values);
+    ``sent`` counts the bytes the rank would send in its all-to-alls."""
+
+    group: object = None
+    rank: int = 0
+    size: int = 1
+    sent: list = field(default_factory=lambda: [0], compare=False)
+
+    def check_same_rows(self, batch: int, rows: int) -> None:
+        pass  # (every rank of a plan holds the same rows)
+
+    def all_gather_rows(self, local: torch.Tensor) -> torch.Tensor:
+        local = local.contiguous()
+        return torch.cat([torch.empty_like(local) for _ in range(self.size)], dim=1)
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t  # (in place)
+
+    def exchange(self, send: torch.Tensor) -> torch.Tensor:
+        send = send.contiguous()
+        self.sent[0] += send.numel() * send.element_size()
+        return torch.empty_like(send)
 
 
 @dataclass(frozen=True)
@@ -172,7 +199,6 @@ class Planner:
     _models: dict = field(default_factory=dict, repr=False)
     _lines: dict = field(default_factory=dict, repr=False)
     _probes: dict = field(default_factory=dict, repr=False)  # method -> the T of its lines' last three probes
-    _resident: MemoryReport | None = field(default=None, repr=False)
     _steps: dict = field(default_factory=dict, repr=False)  # (method, T) -> the fake step's report
     _work: dict = field(default_factory=dict, repr=False)  # (method, T) -> the fake step's work
     _trainable: int | None = field(default=None, repr=False)
@@ -233,17 +259,27 @@ class Planner:
 
     def _step_at_depth(self, method: str, T: int, depth: int) -> tuple[MemoryReport, Work]:
         model = apply_method(self._model(depth), method, self.stream)
+        group = None
+        if self.setup.sp > 1:  # rank 0 of the group, holding the first T/P rows
+            group = PlannedSequenceGroup(size=self.setup.sp)
+            unstream(model)
+            stream(model, self.stream, sequence_parallel=group)
         with self._mode, _one_document_per_row():
-            ids = torch.zeros(self.batch, T, dtype=torch.long)
+            ids = torch.zeros(self.batch, T // self.setup.sp, dtype=torch.long)
             with track(model) as mem, WorkCounter() as counter:
                 training_step(model, ids, self.hold_outputs)
-        return mem.report, counter.work
+        work = counter.work
+        return mem.report, work if group is None else Work(work.flops, work.bytes, float(group.sent[0]))
 
     def step(self, method: str, T: int) -> MemoryReport:
         """The one-process step's memory at the model's depth (extended along the depth line when
         probed shallower); each (method, T) is run once."""
         if method not in PLANNED:
             raise ValueError(f"leanbp plan predicts the methods {list(PLANNED)}, not {method!r}")
+        if self.setup.sp > 1 and method != "leanbp":
+            raise ValueError(f"{method} does not split a sequence over GPUs: with sp > 1 the plan is leanbp's")
+        if T % self.setup.sp:
+            raise ValueError(f"T={T} does not split over sp={self.setup.sp} ranks: plan a multiple of it")
         if (method, T) not in self._steps:
             self._steps[(method, T)], self._work[(method, T)] = self._step_at_full_depth(method, T)
         return self._steps[(method, T)]
@@ -260,7 +296,7 @@ class Planner:
         phases = {name: grow(r1.phase_peaks[name], r2.phase_peaks[name]) for name in r1.phase_peaks}
         report = MemoryReport(peak=max(phases.values()), params=grow(r1.params, r2.params),
                               grads=grow(r1.grads, r2.grads), host=grow(r1.host, r2.host), phase_peaks=phases)
-        return report, Work(w1.flops + k * (w2.flops - w1.flops), w1.bytes + k * (w2.bytes - w1.bytes))
+        return report, w1 + (w2 - w1) * k
 
     def trainable_params(self) -> int:
         """Trainable parameters of the full-depth model (all, or the LoRA adapters), from the depth line
@@ -286,13 +322,25 @@ class Planner:
                 self._rank = RankBytes.extend(*shares, (self.layers - d1) / (d2 - d1))
         return self._rank
 
+    def with_setup(self, setup: Setup) -> "Planner":
+        """This model and these settings on another set-up, sharing this planner's fake steps and
+        lines (a rank's step depends only on how many ranks share its sequence; its shares and its
+        time on the rest of the set-up)."""
+        if not isinstance(setup, Setup):
+            raise ValueError(f"setup must be a leanbp.plan.Setup, got {type(setup).__name__}")
+        other = copy.copy(self)  # (the caches are the same dicts: what either planner runs, both know)
+        other.setup, other._rank = setup, None
+        if setup.sp != self.setup.sp:  # (another step: its own fake steps, the fake models shared)
+            other._lines, other._probes, other._steps, other._work = {}, {}, {}, {}
+        return other
+
     # -- the line in T -----------------------------------------------------------------------------
     def lines(self, method: str, progress=None) -> Lines:
         """Each phase's peak of the one-process step as a line in T, from fake steps at doubling T
         (until three in a row put every phase on one line, to the byte)."""
         if method in self._lines:
             return self._lines[method]
-        T, probes = 4 * self.stream.chunk_size if _chunked(method) else 1024, []
+        T, probes = (4 * self.stream.chunk_size if _chunked(method) else 1024) * self.setup.sp, []
         while True:
             report = self.step(method, T)
             probes.append((T, report))
@@ -312,7 +360,6 @@ class Planner:
             T *= 2
         self._lines[method] = lines
         self._probes[method] = [t for t, _ in probes[-3:]]
-        self._resident = report  # weights and gradients: the same at every T
         return lines
 
     def work(self, method: str, T: int) -> Work:
@@ -329,7 +376,7 @@ class Planner:
     def time(self, method: str, T: int, optimizer: bool = False) -> StepTime:
         """The step-time model at T (``_time.step_time``) on one rank of the set-up."""
         return step_time(self.work(method, T), self.setup, self.rank(), self.dtype, optimizer=optimizer,
-                         offload_bytes=self.offload_pcie_bytes(method, T), tokens=self.batch * T)
+                         offload_bytes=self.offload_pcie_bytes(method, T), tokens=self.batch * T // self.setup.sp)
 
     def offload_pcie_bytes(self, method: str, T: int) -> int:
         """Bytes offload moves over PCIe in a step: each streamed layer reads its input and writes its
@@ -383,8 +430,8 @@ class Planner:
         """The longest T, a multiple of ``multiple`` (and of the chunk size for leanbp, whose lines
         hold at whole chunks), whose step fits ``budget`` bytes of device memory on every rank and
         the set-up's host memory with all ranks together; 0 when not even the resident bytes fit."""
-        if _chunked(method):
-            multiple = math.lcm(multiple, self.stream.chunk_size)
+        if _chunked(method):  # (a rank's rows in whole chunks)
+            multiple = math.lcm(multiple, self.stream.chunk_size * self.setup.sp)
         lines = self._shift(self.lines(method), optimizer)
         host_budget = self.setup.host_memory / self.setup.world
         device_T = lines.longest(budget) // multiple * multiple
@@ -411,7 +458,7 @@ class Planner:
 
     def _affordable(self, method: str, T: int) -> bool:
         """Whether a fake step at T is quick enough to run (at most ``verify_limit`` layer chunks)."""
-        return not _chunked(method) or -(-T // self.stream.chunk_size) <= self.verify_limit
+        return not _chunked(method) or -(-T // (self.stream.chunk_size * self.setup.sp)) <= self.verify_limit
 
     def _bisect(self, method: str, budget: int, host_budget: float, optimizer: bool, multiple: int, lo: int,
                 hi: int) -> int:

@@ -59,7 +59,7 @@ class PlanRequest:
     dtype: str = "bf16"
     batch: int = 1
     seq_lens: list[int] = field(default_factory=lambda: list(DEFAULT_SEQ_LENS))
-    methods: list[str] = field(default_factory=lambda: list(PLANNED))
+    methods: list[str] | None = None  # None: all of PLANNED, or leanbp alone with sequence parallelism
     modes: list[str] = field(default_factory=lambda: ["backprop", "step"])
     stream: StreamConfig = field(default_factory=StreamConfig)  # leanbp's settings (a fixed chunk size)
     hold_outputs: bool = True
@@ -68,16 +68,21 @@ class PlanRequest:
     reserve_note: str = "given"  # where the reserve comes from (filled in for the default)
 
     def __post_init__(self):
+        if not isinstance(self.setup, Setup):
+            raise ValueError(f"setup must be a leanbp.plan.Setup, got {type(self.setup).__name__}")
+        if self.methods is None:
+            self.methods = ["leanbp"] if self.setup.sp > 1 else list(PLANNED)
         bad = [m for m in self.methods if m not in PLANNED]
         if bad or not self.methods:
             raise ValueError(f"methods: {bad or 'none given'}; choose from {list(PLANNED)}")
+        if self.setup.sp > 1 and self.methods != ["leanbp"]:
+            raise ValueError(f"with sequence parallelism (sp {self.setup.sp}) the plan is leanbp's: {self.methods} "
+                             "includes methods that do not split a sequence")
         bad = [m for m in self.modes if m not in ("backprop", "step")]
         if bad or not self.modes:
             raise ValueError(f"modes: {bad or 'none given'}; choose from backprop, step")
         if not self.seq_lens or any(not isinstance(t, int) or t < 1 for t in self.seq_lens):
             raise ValueError(f"seq_lens must be positive integers, got {self.seq_lens}")
-        if not isinstance(self.setup, Setup):
-            raise ValueError(f"setup must be a leanbp.plan.Setup, got {type(self.setup).__name__}")
         if self.memory is None:
             self.memory = GPUS[self.setup.gpu].memory
         if self.reserve is None:
@@ -131,7 +136,7 @@ def _flat(peak) -> dict:
     """A ``Peak`` as one CSV-friendly row (the step time by part, flattened)."""
     row = {k: v for k, v in asdict(peak).items() if k != "time"}
     t = peak.time
-    row.update(step_s=t.total, compute_s=t.compute, memory_s=t.memory, comm_s=t.comm, offload_s=t.offload,
+    row.update(step_s=t.total, compute_s=t.compute, memory_s=t.memory, comm_s=t.comm, exchange_s=t.exchange, offload_s=t.offload,
                optimizer_s=t.optimizer, tokens_per_s=t.tokens_per_s, flops=t.flops)
     return row
 

@@ -114,6 +114,10 @@ class Setup:
     host_memory: int | None = setting(None, parse=parse_bytes, metavar="BYTES",
                                       help="host memory offload and a host optimizer may use, all ranks together "
                                            "(default: this machine's RAM)")
+    sp: int = setting(1, metavar="P",
+                      help="sequence parallelism: each sequence spread over P GPUs (Ulysses inside leanbp's streamed "
+                           "layers, leanbp.stream(sequence_parallel=...)); --gpus must be a multiple of P, and the "
+                           "plan is leanbp's (the other methods do not split a sequence)")
     offload_params: bool = setting(False, help="zero3 only: the 16-bit weights in host memory, gathered to the GPU "
                                                "layer by layer (DeepSpeed offload_param, as ALST's one-GPU recipes; "
                                                "needs --optimizer host)")
@@ -132,6 +136,8 @@ class Setup:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.engine == "single" and self.gpus != 1:
             raise ValueError(f"engine single runs one GPU; for {self.gpus} choose ddp, fsdp2, zero2 or zero3")
+        if not isinstance(self.sp, int) or isinstance(self.sp, bool) or self.sp < 1 or self.gpus % self.sp:
+            raise ValueError(f"sp must be a positive integer that divides gpus ({self.gpus}), got {self.sp!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.engine.startswith("zero") and self.optimizer == "adamw-bf16":
@@ -156,7 +162,8 @@ class Setup:
     def describe(self) -> str:
         gpu = GPUS[self.gpu]
         params = " with the weights offloaded to the host" if self.offload_params else ""
-        return (f"{self.gpus} x {gpu.label}, engine {self.engine}{params}, optimizer {self.optimizer}, host memory "
+        sp = f", each sequence over {self.sp} of them (sequence parallelism)" if self.sp > 1 else ""
+        return (f"{self.gpus} x {gpu.label}{sp}, engine {self.engine}{params}, optimizer {self.optimizer}, host memory "
                 f"{self.host_memory / GiB:.1f} GiB for all ranks, efficiency {self.efficiency:g} of the peak rates")
 
 

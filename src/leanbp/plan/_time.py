@@ -3,7 +3,10 @@ moves between GPUs and over PCIe, on a GPU of ``_devices.GPUS`` at an efficiency
 
     compute  = product and attention FLOPs / (matmul peak x efficiency)
     memory   = bytes of the other ops / (HBM bandwidth x efficiency)
-    device   = compute + memory                  (one stream: the ops run one after another)
+    exchange = bytes a rank sends in the all-to-alls of sequence parallelism x (P - 1) / P
+               / (NVLink per direction x efficiency)
+    device   = compute + memory + exchange       (one stream: the ops run one after another, and
+                                                   a layer waits for its exchanges)
     comm     = bytes each rank sends in the engine's collectives / (NVLink per direction x eff.)
     offload  = bytes the streamed layers' host store moves / (PCIe per direction x efficiency)
     step     = max(device, comm, offload)         (collectives and copies run on side streams,
@@ -45,6 +48,7 @@ class StepTime:
     compute: float
     memory: float
     comm: float
+    exchange: float
     offload: float
     optimizer: float
     total: float
@@ -63,6 +67,8 @@ def step_time(work: Work, setup: Setup, rank: RankBytes, dtype: str, optimizer: 
     compute = work.flops / (gpu.matmul_rate(dtype) * eff)
     memory = work.bytes / (gpu.hbm * eff)
     comm = rank.collective / (gpu.nvlink * eff) if setup.world > 1 and gpu.nvlink else 0.0
+    # (the share a rank sends itself stays on the GPU)
+    exchange = work.exchange * (setup.sp - 1) / setup.sp / (gpu.nvlink * eff) if setup.sp > 1 and gpu.nvlink else 0.0
     offload = offload_bytes / (gpu.pcie * eff) if offload_bytes and gpu.pcie else 0.0
     opt = 0.0
     if optimizer:
@@ -70,6 +76,7 @@ def step_time(work: Work, setup: Setup, rank: RankBytes, dtype: str, optimizer: 
             opt = rank.pcie / (gpu.pcie * eff) + 2 * rank.host / (HOST_BANDWIDTH * eff)
         else:  # read and write the state and the weights, read the gradients
             opt = (2 * rank.optimizer + 2 * rank.weights + rank.grads) / (gpu.hbm * eff)
-    total = max(compute + memory, comm, offload) + opt
-    return StepTime(compute, memory, comm, offload, opt, total, setup.world * tokens / total if total else 0.0,
-                    work.flops, gpu.name, eff)
+    total = max(compute + memory + exchange, comm, offload) + opt
+    # ``tokens``: one rank's; the P ranks of a sequence-parallel group share their sequences
+    return StepTime(compute, memory, comm, exchange, offload, opt, total,
+                    setup.world * tokens / total if total else 0.0, work.flops, gpu.name, eff)

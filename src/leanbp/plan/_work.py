@@ -38,19 +38,21 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class Work:
-    """FLOPs of matrix products / attention, and bytes read and written by every other op."""
+    """FLOPs of matrix products / attention, bytes read and written by every other op, and bytes
+    this rank sends to the others of its sequence-parallel group (the all-to-alls of ``--sp``)."""
 
     flops: float = 0.0
     bytes: float = 0.0
+    exchange: float = 0.0
 
     def __add__(self, other: "Work") -> "Work":
-        return Work(self.flops + other.flops, self.bytes + other.bytes)
+        return Work(self.flops + other.flops, self.bytes + other.bytes, self.exchange + other.exchange)
 
     def __sub__(self, other: "Work") -> "Work":
-        return Work(self.flops - other.flops, self.bytes - other.bytes)
+        return Work(self.flops - other.flops, self.bytes - other.bytes, self.exchange - other.exchange)
 
     def __mul__(self, k: float) -> "Work":
-        return Work(self.flops * k, self.bytes * k)
+        return Work(self.flops * k, self.bytes * k, self.exchange * k)
 
     __rmul__ = __mul__
 

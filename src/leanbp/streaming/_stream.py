@@ -65,8 +65,10 @@ def stream(model: nn.Module, config: StreamConfig | None = None, *old_positional
 
     ``sequence_parallel``: a process group (or ``True``: the default group) whose ranks share each
     sequence, Ulysses-style (``leanbp.engine._ulysses``): every rank passes its own T/P consecutive
-    rows of the inputs and labels (``sequence_rows``), the loss is the whole sequence's on every
+    rows of the inputs and labels (``sequence_batch``), the loss is the whole sequence's on every
     rank, and ``reduce_sequence_gradients(model)`` sums the gradients over the group once per step.
+    (A ``leanbp.engine.SequenceGroup`` is taken as it is: ``leanbp plan`` streams its fake models
+    with a group that moves nothing.)
     """
     config = resolve_config(config, overrides, old_positional, _OLD_POSITIONAL)
     sequence = _sequence_group(sequence_parallel, config)
@@ -104,6 +106,8 @@ def _sequence_group(sequence_parallel, config: StreamConfig) -> SequenceGroup | 
         return None
     if not config.layers:
         raise ValueError("sequence_parallel splits the streamed layers' rows: it needs layers=True")
+    if isinstance(sequence_parallel, SequenceGroup):  # (one built already: the planner's fake group)
+        return sequence_parallel
     return SequenceGroup.of(None if sequence_parallel is True else sequence_parallel)
 
 
