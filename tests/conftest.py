@@ -35,3 +35,14 @@ def tiny_model(family: str, dtype=torch.float64, seed: int = 0, window: int | No
 @pytest.fixture(params=FAMILIES)
 def family(request):
     return request.param
+
+
+@pytest.fixture(scope="session")
+def bf16_planner():
+    """One bf16 planner of the plan tests' tiny shape, for the tests that can share its fake models
+    and lines (each new planner probes its lines afresh: tens of seconds)."""
+    from _helpers import plan_config
+    from leanbp import StreamConfig
+    from leanbp.plan import Planner
+
+    return Planner(plan_config(), dtype="bf16", stream=StreamConfig(chunk_size=512, head_chunk_size=1024))

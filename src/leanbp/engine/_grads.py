@@ -85,15 +85,17 @@ def _take_zero_grads(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
                   if (g := p.grad) is not None and g._base is None and g.shape == p.shape and g.is_contiguous()
                   and g.dtype == accumulation_dtype(p.dtype) and g.device.type != "meta"
                   and (type(g) is torch.Tensor or is_fake(g))]
+    taken: list[torch.Tensor | None] = [None] * len(params)
+    if not candidates:
+        return taken
     # (fake gradients are read too, so that the planner's work counter sees the real step's reads)
     flags = [params[i].grad.any() for i in candidates]
     if len({f.device for f in flags}) > 1:
         nonzero = [bool(f) for f in flags]
-    elif flags:
+    else:
         stacked = torch.stack(flags)
         nonzero = [False] * len(flags) if is_fake(stacked) else stacked.tolist()
-    taken: list[torch.Tensor | None] = [None] * len(params)
-    for i, skip in zip(candidates, nonzero if flags else ()):
+    for i, skip in zip(candidates, nonzero):
         if not skip:
             taken[i], params[i].grad = params[i].grad, None
     return taken
