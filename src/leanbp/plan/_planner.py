@@ -40,14 +40,14 @@ from __future__ import annotations
 import copy
 import math
 from contextlib import contextmanager
-from dataclasses import InitVar, dataclass, field
+from dataclasses import InitVar, dataclass, field, replace
 
 import torch
 
 from .._dtypes import dtype_named
 from ..engine import SequenceGroup, has_values
 from ..memory import MemoryReport, track
-from ..streaming import PLANNED, StreamConfig, apply_method, old_chunk_sizes, stream, unstream
+from ..streaming import PLANNED, StreamConfig, apply_method, old_chunk_sizes
 from ..streaming import method as method_named
 from ._presets import PRESETS, load_config  # noqa: F401  (re-exported: leanbp.plan.PRESETS)
 from ._setup import RankBytes, Setup, parameter_tensors, rank_bytes
@@ -258,18 +258,14 @@ class Planner:
         return self._models[depth]
 
     def _step_at_depth(self, method: str, T: int, depth: int) -> tuple[MemoryReport, Work]:
-        model = apply_method(self._model(depth), method, self.stream)
-        group = None
-        if self.setup.sp > 1:  # rank 0 of the group, holding the first T/P rows
-            group = PlannedSequenceGroup(size=self.setup.sp)
-            unstream(model)
-            stream(model, self.stream, sequence_parallel=group)
+        # (with sp > 1: rank 0 of the group, holding the first T/P rows)
+        group = PlannedSequenceGroup(size=self.setup.sp) if self.setup.sp > 1 else None
+        model = apply_method(self._model(depth), method, self.stream, sequence_parallel=group)
         with self._mode, _one_document_per_row():
             ids = torch.zeros(self.batch, T // self.setup.sp, dtype=torch.long)
             with track(model) as mem, WorkCounter() as counter:
                 training_step(model, ids, self.hold_outputs)
-        work = counter.work
-        return mem.report, work if group is None else Work(work.flops, work.bytes, float(group.sent[0]))
+        return mem.report, counter.work if group is None else replace(counter.work, exchange=float(group.sent[0]))
 
     def step(self, method: str, T: int) -> MemoryReport:
         """The one-process step's memory at the model's depth (extended along the depth line when

@@ -136,8 +136,8 @@ def _flat(peak) -> dict:
     """A ``Peak`` as one CSV-friendly row (the step time by part, flattened)."""
     row = {k: v for k, v in asdict(peak).items() if k != "time"}
     t = peak.time
-    row.update(step_s=t.total, compute_s=t.compute, memory_s=t.memory, comm_s=t.comm, exchange_s=t.exchange, offload_s=t.offload,
-               optimizer_s=t.optimizer, tokens_per_s=t.tokens_per_s, flops=t.flops)
+    row.update(step_s=t.total, compute_s=t.compute, memory_s=t.memory, comm_s=t.comm, exchange_s=t.exchange,
+               offload_s=t.offload, optimizer_s=t.optimizer, tokens_per_s=t.tokens_per_s, flops=t.flops)
     return row
 
 

@@ -21,5 +21,5 @@ from ._stream import accept_attention_implementation, chunk_size_used, is_stream
 
 __all__ = ["METHODS", "Method", "PLANNED", "StreamConfig", "StreamWarning", "accept_attention_implementation",
            "apply_method", "causal_lm_of", "chunk_size_used", "is_streamed", "method", "old_chunk_sizes", "parse_chunk_size",
-           "reduce_sequence_gradients", "resolve_config", "sequence_batch", "sequence_rows", "sequence_sum", "stream", "token_log_probs",
-           "unstream"]
+           "reduce_sequence_gradients", "resolve_config", "sequence_batch", "sequence_rows", "sequence_sum", "stream",
+           "token_log_probs", "unstream"]

@@ -41,10 +41,14 @@ def method(name: str) -> Method:
     return METHODS[name]
 
 
-def apply_method(model: nn.Module, name: str, config: StreamConfig | None = None) -> nn.Module:
+def apply_method(model: nn.Module, name: str, config: StreamConfig | None = None, sequence_parallel=None
+                 ) -> nn.Module:
     """Set ``model`` (a transformers causal LM) up to train as method ``name`` does, from whatever
-    method it was set up for before; ``config``: the streamed methods' settings."""
+    method it was set up for before; ``config``: the streamed methods' settings;
+    ``sequence_parallel``: as ``stream`` takes it (a streamed method only)."""
     m = method(name)
+    if sequence_parallel is not None and not m.streamed:
+        raise ValueError(f"{name} does not stream the layers: it cannot split a sequence over processes")
     if is_streamed(model):
         unstream(model)
     if m.checkpointing:
@@ -52,5 +56,5 @@ def apply_method(model: nn.Module, name: str, config: StreamConfig | None = None
     elif getattr(model, "is_activation_checkpointing", False):
         model.activation_checkpointing_disable()
     if m.streamed:
-        stream(model, config, **m.overrides)
+        stream(model, config, sequence_parallel=sequence_parallel, **m.overrides)
     return model

@@ -32,6 +32,7 @@ def sequence_rows(model: nn.Module, t: torch.Tensor) -> torch.Tensor:
 
 # how ``sequence_batch`` fills the rows it appends: no label, masked out, a token id that exists
 _FILL = {"input_ids": 0, "labels": IGNORE_INDEX, "attention_mask": 0}
+_PADDED = {*_FILL, "position_ids"}  # (positions continue instead)
 
 
 def sequence_batch(model: nn.Module, **batch: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
@@ -42,9 +43,9 @@ def sequence_batch(model: nn.Module, **batch: torch.Tensor | None) -> dict[str, 
     earlier row, and a row without a label adds nothing to any loss or count."""
     sp = _group(model)
     given = {k: v for k, v in batch.items() if v is not None}
-    unknown = set(given) - {*_FILL, "position_ids"}
+    unknown = set(given) - _PADDED
     if unknown:
-        raise ValueError(f"sequence_batch pads {sorted({*_FILL, 'position_ids'})}; it does not know how to pad "
+        raise ValueError(f"sequence_batch pads {sorted(_PADDED)}; it does not know how to pad "
                          f"{sorted(unknown)}: pad those to a multiple of {sp.size} rows and use sequence_rows")
     lengths = {v.shape[1] for v in given.values()}
     if len(lengths) > 1:
