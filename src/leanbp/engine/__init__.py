@@ -13,6 +13,7 @@ What it needs from a model family is the ``DecoderFamily`` protocol (``_adapter.
     _offload.py      the layer boundaries and their gradients in host memory
     _moe.py          the exact load-balancing loss of mixture-of-experts layers
     _grads.py        gradients summed over chunks, handed over once
+    _split.py        a backward split into input and weight passes (pipeline schedules, 2BP)
     _ulysses.py      sequence parallelism: Ulysses' head exchange around the chunk attention
     _module_call.py  a block of chunks run as the body of one call of its module (engine hooks)
     _value_reads.py  the few decisions taken from tensor values (and a planned step's assumptions)
@@ -30,6 +31,7 @@ from ._head import (IGNORE_INDEX, STATS, ChunkedCrossEntropyFunction, ChunkedTok
 from ._masks import ATTENTION_MODES, ChunkMasks, Documents, KeyKeep, PrefixGradSink, key_start
 from ._module_call import is_routed, unroute
 from ._softcap_attention import BLOCK_ROWS as SOFTCAP_BLOCK_ROWS
+from ._split import PASSES, backward_pass, current_pass
 from ._ulysses import SequenceGroup, reduce_gradients, shift_labels_across, sum_over_group
 from ._value_reads import has_values
 
@@ -37,9 +39,9 @@ __all__ = [
     "ATTENTION_MODES", "AUTO", "AutocastState", "CPU_FLASH", "CUDA_KERNELS", "ChunkMasks",
     "ChunkedCrossEntropyFunction", "ChunkedTokenStatsFunction", "CudaKernels", "DEFAULT_ROWS", "DecoderFamily",
     "DecoderOutput", "Documents", "HeadCall", "IGNORE_INDEX", "KeyKeep", "LayerCall", "LayerChunk", "LogitTransform",
-    "MATH", "PrefixGradSink", "RotaryRows", "Router", "SOFTCAP_BLOCK_ROWS", "STATS", "SequenceGroup",
+    "MATH", "PASSES", "PrefixGradSink", "RotaryRows", "Router", "SOFTCAP_BLOCK_ROWS", "STATS", "SequenceGroup",
     "StreamedLayerFunction",
-    "backend_for", "check_attention_mask", "chunk_attention", "cross_entropy", "decoder_layers", "forced_backend",
+    "backend_for", "backward_pass", "check_attention_mask", "chunk_attention", "cross_entropy", "current_pass", "decoder_layers", "forced_backend",
     "has_values", "is_routed", "key_start", "pick_chunk_rows", "reduce_gradients", "row_bytes", "rowwise", "shift_labels",
     "shift_labels_across", "sum_over_group", "token_stats", "trainable", "unroute", "uses_two_block_attention",
 ]

@@ -23,6 +23,7 @@ from ._grads import AutocastState, GradSum
 from ._layer import LayerCall, StreamedLayerFunction
 from ._masks import Documents, KeyKeep
 from ._module_call import call_through
+from ._split import wanted
 from ._moe import RouterStats
 from ._offload import HostStore, to_device, to_host
 from ._ulysses import HeadSplit, SequenceGroup
@@ -54,7 +55,8 @@ class DecoderOutput(NamedTuple):
 def decoder_layers(adapter: DecoderFamily, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None,
                    *, chunk_size: int | str, chunk_memory: int | None = None, attention: str = "blocks",
                    offload: bool = False, router_stats: bool = False,
-                   sequence: SequenceGroup | None = None) -> DecoderOutput:
+                   sequence: SequenceGroup | None = None, layers: range | None = None,
+                   owns_grad_out: bool = True) -> DecoderOutput:
     """Every decoder layer of ``adapter``'s model, streamed, on the embedded input.
 
     ``chunk_size`` rows per chunk, or "auto" within ``chunk_memory`` bytes (``_chunking.py``);
@@ -69,7 +71,12 @@ def decoder_layers(adapter: DecoderFamily, input_ids=None, inputs_embeds=None, a
     ``sequence``: sequence parallelism (``_ulysses.py``): the inputs are this rank's T/P rows of the
     sequence (rank r: rows [r T/P, (r+1) T/P), the same count on every rank), ``attention_mask`` and
     ``position_ids`` too (positions default to the rows' global ones); padding and documents are
-    read from the whole sequence's (gathered once per forward)."""
+    read from the whole sequence's (gathered once per forward).
+
+    ``layers``: the indices of the layers to run (a pipeline stage's; default all of them), with
+    ``inputs_embeds`` the previous layer's output unless the range starts at layer 0;
+    ``owns_grad_out``: whether the gradient of the returned output is a fresh tensor the last layer
+    may overwrite (the head's is; a pipeline stage's received gradient is not)."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids or inputs_embeds")
     hidden = adapter.embed_tokens()(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, H)
@@ -101,7 +108,8 @@ def decoder_layers(adapter: DecoderFamily, input_ids=None, inputs_embeds=None, a
     autocast = AutocastState(hidden.device.type)
     sdpa = SdpaSwitches()  # (replayed around the layers' recompute, as autocast is)
     rows = pick_chunk_rows(chunk_size, chunk_memory, adapter, hidden, attention)
-    check_layers(adapter.layers())
+    layers = range(len(adapter.layers())) if layers is None else layers
+    check_layers([adapter.layers()[i] for i in layers])
     heads = None
     if sequence is not None:
         _check_sequence_parallel(sequence, rope, offload, stats)
@@ -112,13 +120,15 @@ def decoder_layers(adapter: DecoderFamily, input_ids=None, inputs_embeds=None, a
     store = HostStore(hidden.device) if offload and torch.is_grad_enabled() else None
     if store is not None:  # Memory: the layer boundaries and their gradients wait on the host
         hidden = to_host(hidden, store)
-    for i, layer in enumerate(adapter.layers()):
+    for i in layers:
+        layer = adapter.layers()[i]
         router = adapter.router(layer) if stats is not None else None
         call = LayerCall(adapter=adapter, layer=layer, window=adapter.sliding_window(i),
                          softcap=adapter.attention_softcap(i), rope=rope[i], key_keep=key_keep,
                          documents=documents, chunk_size=rows, autocast=autocast, router=router,
                          router_stats=stats if router is not None else None, offload=store, sdpa=sdpa,
-                         attention=attention, sequence=sequence, heads=heads)
+                         attention=attention, sequence=sequence, heads=heads,
+                         owns_grad_out=owns_grad_out or i != layers[-1])
         # the layer's own call runs the streamed layer, so engine hooks fire once per layer per step
         hidden = call_through(layer, partial(_streamed_layer, layer, call), hidden)
     if store is not None:  # the final norm and the head take the last layer's output whole
@@ -171,8 +181,10 @@ class RowwiseFunction(torch.autograd.Function):
     @in_phase("final norm")
     def backward(ctx, grad_out: torch.Tensor):
         hidden, *params = ctx.saved_tensors
-        need_input = ctx.needs_input_grad[0]
-        trainable_params = [p for p, need in zip(params, ctx.needs_input_grad[4:]) if need]
+        need_input, need_params = wanted(ctx, 4)  # (one of them in a split backward's pass)
+        trainable_params = [p for p, need in zip(params, need_params) if need]
+        if not need_input and not trainable_params:  # (a weight pass of a frozen norm)
+            return (None, None, None, None, *[None] * len(params))
         grads = GradSum(trainable_params)
         dhidden = torch.empty_like(hidden) if need_input else None
         for s in range(0, hidden.shape[1], ctx.chunk_size):
@@ -185,7 +197,7 @@ class RowwiseFunction(torch.autograd.Function):
                 dhidden[:, s: s + ctx.chunk_size] = g.pop(0)
             grads.add(g)
         it = iter(grads.result())
-        return (dhidden, None, None, None, *[next(it) if need else None for need in ctx.needs_input_grad[4:]])
+        return (dhidden, None, None, None, *[next(it) if need else None for need in need_params])
 
 
 def rowwise(module: nn.Module, hidden: torch.Tensor, chunk_size: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ from torch import nn
 from ..memory import in_phase
 from ._grads import AutocastState, GradSum
 from ._module_call import call_through
+from ._split import INPUT, WEIGHT, current_pass, wanted
 from ._value_reads import labelled_rows
 
 IGNORE_INDEX = -100
@@ -175,8 +176,8 @@ class _Rows:
         self.flat = hidden.reshape(B * T, H)
         self.targets = call.targets.reshape(B * T)
         self.index = call.labelled_rows()
-        self.need_input = ctx.needs_input_grad[0]
-        self.trainable = [p for p, need in zip(params, ctx.needs_input_grad[first_param:]) if need]
+        self.need_input, self.need_params = wanted(ctx, first_param)  # (in forward: the full pass)
+        self.trainable = [p for p, need in zip(params, self.need_params) if need]
         self.call = call
 
     def chunks(self):
@@ -208,17 +209,21 @@ def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _backward_once(ctx, name: str) -> None:
-    if getattr(ctx, "consumed", False):
+    """Each part of the head's backward (input gradient, parameter gradients) is handed over once:
+    both in a full pass, one each in a split backward's input and weight passes (``_split.py``)."""
+    parts = {INPUT: {"input"}, WEIGHT: {"params"}}.get(current_pass(), {"input", "params"})
+    handed = getattr(ctx, "handed", set())
+    if parts & handed:
         raise RuntimeError(
             f"backward through leanbp's {name} ran twice (retain_graph=True): the streamed step hands its "
             "summed gradients over and reuses its buffers in the first backward. Run the forward again instead."
         )
-    ctx.consumed = True
+    ctx.handed = handed | parts
 
 
-def _param_grads(ctx, grads: list, first_param: int) -> tuple:
+def _param_grads(need_params: list[bool], grads: list) -> tuple:
     it = iter(grads)
-    return tuple(next(it) if need else None for need in ctx.needs_input_grad[first_param:])
+    return tuple(next(it) if need else None for need in need_params)
 
 
 class ChunkedCrossEntropyFunction(torch.autograd.Function):
@@ -272,16 +277,19 @@ class ChunkedCrossEntropyFunction(torch.autograd.Function):
         _backward_once(ctx, "chunked loss")
         if ctx.param_grads is None:
             raise RuntimeError("leanbp's chunked loss was computed with gradients disabled and cannot be backpropagated")
+        need_input, need_params = wanted(ctx, 4)
         # no labelled row: every gradient is zero (plain autograd's 0 * inf would make them nan)
         scale = grad_loss / ctx.denominator if ctx.n_rows else grad_loss.new_zeros(())
-        # Memory: drop ctx's references so the summed gradients are handed over, not copied
-        param_grads, ctx.param_grads = ctx.param_grads, None
         dinput = None
-        if ctx.needs_input_grad[0]:
+        if need_input:
             dflat, ctx.dflat = ctx.dflat, None
             dinput = dflat.mul_(scale.to(dflat.dtype)).view(ctx.hidden_shape)
+        if not any(need_params):  # (an input pass: the weight pass hands them over)
+            return (dinput, None, None, None, *[None] * len(need_params))
+        # Memory: drop ctx's references so the summed gradients are handed over, not copied
+        param_grads, ctx.param_grads = ctx.param_grads, None
         grads = param_grads.result(scale, zeros_for_missing=True)
-        return (dinput, None, None, None, *_param_grads(ctx, grads, 4))
+        return (dinput, None, None, None, *_param_grads(need_params, grads))
 
 
 class ChunkedTokenStatsFunction(torch.autograd.Function):
@@ -371,7 +379,7 @@ class ChunkedTokenStatsFunction(torch.autograd.Function):
             grads.add(g)
             del chunk, z, dz
         dinput = dflat.view(ctx.hidden_shape) if dflat is not None else None
-        return (dinput, None, None, *_param_grads(ctx, grads.result(zeros_for_missing=True), 3))
+        return (dinput, None, None, *_param_grads(r.need_params, grads.result(zeros_for_missing=True)))
 
 
 def token_stats(hidden: torch.Tensor, call: HeadCall, stats: tuple[str, ...], params) -> dict:

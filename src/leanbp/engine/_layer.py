@@ -31,6 +31,7 @@ from ._grads import AutocastState, GradSum
 from ._masks import ChunkMasks, Documents, KeyKeep, PrefixGradSink, key_start
 from ._moe import RouterStats
 from ._offload import HostStore, backward_reads
+from ._split import FULL, current_pass, wanted
 from ._ulysses import Exchange, HeadSplit, SequenceGroup, gather_kv, scatter_kv_grads
 
 
@@ -57,6 +58,10 @@ class LayerCall:
     # then this rank's T/P, while window, padding and documents are those of the whole sequence
     sequence: SequenceGroup | None = None
     heads: HeadSplit | None = None
+    # whether the output's gradient is a tensor nobody else reads (the next streamed layer's or the
+    # head's), which backward may overwrite: not the last layer of a pipeline stage, whose output
+    # gradient is the stage's receive buffer (or a caller's tensor)
+    owns_grad_out: bool = True
 
     def chunks(self, length: int) -> list[tuple[int, int]]:
         return [(s, min(s + self.chunk_size, length)) for s in range(0, length, self.chunk_size)]
@@ -159,6 +164,10 @@ class StreamedLayerFunction(torch.autograd.Function):
     @in_phase("layer backward")
     def backward(ctx, grad_out: torch.Tensor, grad_prob_sum: torch.Tensor | None = None):
         call: LayerCall = ctx.call
+        split = current_pass() != FULL  # a pipeline stage's input or weight pass (``_split.py``)
+        if split and (call.sequence is not None or call.offload is not None):
+            raise NotImplementedError("a split backward (pipeline schedule 2bp) with sequence parallelism or offload is "
+                                      "not supported yet")
         if call.sequence is not None:
             return _sequence_parallel_backward(ctx, grad_out)
         hidden, *params = ctx.saved_tensors
@@ -181,8 +190,10 @@ class StreamedLayerFunction(torch.autograd.Function):
 
             def grad_rows(s, e):
                 return grad_out[:, s:e]
-        need_input = ctx.needs_input_grad[0]
-        trainable = [p for p, need in zip(params, ctx.needs_input_grad[2:]) if need]
+        need_input, need_params = wanted(ctx, 2)
+        trainable = [p for p, need in zip(params, need_params) if need]
+        if not need_input and not trainable:  # (a weight pass of a frozen layer)
+            return (None, None, *[None] * len(params))
         grads = GradSum(trainable)
 
         # Prefix K/V for every chunk, computed once without a graph, chunk by chunk (the last chunk's
@@ -200,9 +211,11 @@ class StreamedLayerFunction(torch.autograd.Function):
             del key_b, value_b
         # dL/dK, dL/dV that chunks send to the rows before them
         sink = PrefixGradSink(key, value) if key is not None else None
-        # Memory: dL/dH_in[s:e] overwrites dL/dH_out[s:e], which chunk [s, e) was the last to read.
-        # grad_out is always the fresh gradient returned by the next streamed layer or the head.
-        dhidden = grad_out if need_input else None
+        # Memory: dL/dH_in[s:e] overwrites dL/dH_out[s:e], which chunk [s, e) was the last to read,
+        # when grad_out is the fresh gradient of the next streamed layer or the head (and no weight
+        # pass of a split backward reads it again)
+        reuse = call.owns_grad_out and not split
+        dhidden = (grad_out if reuse else torch.empty_like(grad_out)) if need_input else None
 
         for s, e in reversed(chunks):
             kb = call.key_begin(s)
@@ -247,7 +260,7 @@ class StreamedLayerFunction(torch.autograd.Function):
         if call.offload is not None:
             call.offload.finish()  # dhidden is complete before autograd hands it on
         it = iter(grads.result())
-        return (dhidden, None, *[next(it) if need else None for need in ctx.needs_input_grad[2:]])
+        return (dhidden, None, *[next(it) if need else None for need in need_params])
 
 
 # -- sequence parallelism (``_ulysses.py``) ------------------------------------------------------
