@@ -25,7 +25,7 @@ FLOORS = {
     "engine": 1,
     "models": 2,
     "streaming": 3,
-    "plan": 4, "approx": 4, "zo": 4,
+    "plan": 4, "approx": 4, "zo": 4, "pipeline": 4,
     "testing": 5, "integrations": 5,
     "train": 6,
     "bench": 7,

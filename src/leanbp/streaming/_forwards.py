@@ -236,14 +236,12 @@ def _head_params(norm: nn.Module, lm_head: nn.Module) -> list[torch.Tensor]:
     return list(dict.fromkeys(trainable(norm) + trainable(lm_head)))
 
 
-def _labels_forward(lm: nn.Module, state: StreamState, arguments: dict, with_aux: bool):
-    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
-
-    labels = arguments["labels"]
-    _check_targets(arguments, labels)
-    hidden, norm, scratch, router_stats = _hidden_for_head(lm, state, arguments, router_stats=with_aux)
+def _head_loss(state: StreamState, hidden: torch.Tensor, norm: nn.Module, scratch: bool, labels: torch.Tensor,
+               denominator) -> tuple[torch.Tensor, HeadCall]:
+    """The causal-LM loss of ``hidden`` (the last layer's output; ``norm`` applied inside the head's
+    chunks) against ``labels``: summed over labelled rows, divided by ``denominator`` (None: their
+    count; under sequence parallelism, the whole sequence's)."""
     targets = _targets(state, labels.to(hidden.device))
-    denominator = arguments.get("num_items_in_batch")  # (under sequence parallelism: the whole sequence's)
     if denominator is None:
         denominator = (targets != IGNORE_INDEX).sum()
         if state.sequence is not None:
@@ -258,6 +256,18 @@ def _labels_forward(lm: nn.Module, state: StreamState, arguments: dict, with_aux
     loss = cross_entropy(hidden, call, denominator, partial(_head_params, norm, lm_head))
     if state.sequence is not None:  # the whole sequence's loss on every rank; each backpropagates its rows' share
         loss = sum_over_group(loss, state.sequence)
+    return loss, call
+
+
+def _labels_forward(lm: nn.Module, state: StreamState, arguments: dict, with_aux: bool):
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+    labels = arguments["labels"]
+    _check_targets(arguments, labels)
+    hidden, norm, scratch, router_stats = _hidden_for_head(lm, state, arguments, router_stats=with_aux)
+    # (under sequence parallelism num_items_in_batch is the whole sequence's)
+    loss, call = _head_loss(state, hidden, norm, scratch, labels, arguments.get("num_items_in_batch"))
+    lm_head, grad = call.lm_head, torch.is_grad_enabled()
     logits = None
     if not grad and not lm.training and state.config.eval_logits:
         with call.autocast():
@@ -271,6 +281,40 @@ def _labels_forward(lm: nn.Module, state: StreamState, arguments: dict, with_aux
     coef = getattr(lm, "router_aux_loss_coef", None)
     loss = loss + (lm.config.router_aux_loss_coef if coef is None else coef) * aux_loss.to(loss.dtype)
     return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits)
+
+
+def stage_hidden(model: nn.Module, layers: range, *, input_ids=None, inputs_embeds=None, attention_mask=None,
+                 position_ids=None, owns_grad_out: bool = False) -> torch.Tensor:
+    """The output of the streamed decoder layers ``layers`` of ``model`` (a pipeline stage's, before
+    the final norm): on ``input_ids`` embedded when the range starts at layer 0, else on the previous
+    layer's output ``inputs_embeds`` (B, T, H). Mask and positions are the whole batch row's.
+    ``owns_grad_out``: the output's gradient will be a fresh tensor (the last stage's head gives
+    one), which backward may overwrite; a received or caller's gradient is left alone."""
+    lm = causal_lm_of(model)
+    state = state_of(lm)
+    if state is None or not state.config.layers:
+        raise ValueError("a pipeline stage needs a model streamed with its layers (leanbp.stream(model))")
+    if lm.training and torch.is_grad_enabled():  # (the stage's own parameters are all it trains)
+        _check_training_call(state, lm, [lm])
+    arguments = dict(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                     position_ids=position_ids)
+    config = state.config
+    return decoder_layers(state.adapter, **arguments, chunk_size=config.chunk_size, chunk_memory=config.chunk_memory,
+                          attention=config.attention, offload=config.offload, sequence=state.sequence,
+                          layers=layers, owns_grad_out=owns_grad_out).hidden
+
+
+def stage_loss(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, denominator) -> torch.Tensor:
+    """The causal-LM loss of the last layer's output ``hidden`` (a pipeline's last stage: final
+    norm and LM head inside leanbp's chunked head, no full logits), summed over the labelled rows of
+    ``labels`` and divided by ``denominator`` (the whole batch's count, so that micro-batches add up)."""
+    lm = causal_lm_of(model)
+    state = state_of(lm)
+    if state is None:
+        raise ValueError("stage_loss needs a streamed model: call leanbp.stream(model) first")
+    if tuple(labels.shape) != tuple(hidden.shape[:2]):
+        raise ValueError(f"labels must have shape {tuple(hidden.shape[:2])}, got {tuple(labels.shape)}")
+    return _head_loss(state, hidden, state.adapter.final_norm(), False, labels, denominator)[0]
 
 
 def token_log_probs(model: nn.Module, labels: torch.Tensor, *, input_ids=None, inputs_embeds=None,
