@@ -59,10 +59,13 @@ def _train(args) -> int:
     cfg = TrainConfig(**settings, stream=None if args.no_stream else _stream_config(args, "train"))
     if args.nproc is not None:
         return launch(args.nproc, args.argv, cfg)
+    if cfg.engine == "pipeline" and not launched_by_torchrun():  # (one process per stage, launched here)
+        return launch(cfg.stages, args.argv, cfg)
     state = train(cfg)
     losses = state["losses"]
     if losses and int(os.environ.get("RANK", "0")) == 0:
-        final = "final (transformers), checkpoint" if cfg.engine in ("fsdp2", "zero2", "zero3") else "checkpoint"
+        final = ("final (transformers), checkpoint" if cfg.engine in ("fsdp2", "zero2", "zero3", "pipeline")
+                 else "checkpoint")
         print(f"{cfg.objective} step {state['step']}: loss {losses[0]:.4f} -> {losses[-1]:.4f}; "
               f"{final} in {cfg.out}")
     if state.get("privacy") is not None:  # (--optimizer dpzero)

@@ -77,3 +77,26 @@ def test_uneven_micro_batches_and_head_only_streaming_are_refused(tmp_path):
             pipe.step(ids, ids)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("stages, microbatches", [(4, 4), (4, 8), (8, 16), (8, 32)])
+def test_idle_fraction_of_1f1b_is_the_textbook_bubble(stages, microbatches):
+    from leanbp.pipeline import Costs, idle_fraction
+
+    expected = (stages - 1) / (microbatches + stages - 1)  # with a backward twice a forward
+    assert idle_fraction("1f1b", stages, microbatches, Costs(F=1, B=2)) == pytest.approx(expected, abs=1e-12)
+
+
+def test_2bp_fills_two_thirds_of_the_bubble_when_the_passes_cost_alike():
+    """ZB-H1 (the zero-bubble paper): with F = I = W = 1 its bubble is (S - 1) units against 1F1B's
+    3 (S - 1). torch's first stage runs its backward whole in its W slots (its input needs no
+    gradient), as the simulation does."""
+    from leanbp.pipeline import Costs, one_f_one_b_order, simulate, zero_bubble_order
+
+    S, M = 4, 8
+    costs = Costs(F=1, B=2, I=1, W=1)
+    one = simulate(one_f_one_b_order(S, M), costs)
+    zb = simulate(zero_bubble_order(S, M), costs)
+    assert one.makespan == M * 3 + 3 * (S - 1)
+    assert one.busy == zb.busy == S * M * 3
+    assert zb.makespan == M * 3 + (S - 1)  # (here the first stage's whole backward fits its slots)

@@ -132,3 +132,36 @@ def test_sequence_parallel_settings_that_cannot_run_are_one_line_errors(tmp_path
     proc = subprocess.run([sys.executable, "-m", "leanbp", "train", "--steps", "1", *args, "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("schedule, resume", [("1f1b", False), ("2bp", True)])
+def test_pipeline_stages_train_the_weights_of_one_process(tmp_path, single_run, reference, schedule, resume):
+    """--engine pipeline --stages 2 (launched by itself: no --nproc): each stage holds half of the
+    layers, the step's 2 micro-batches walk the schedule, and after 3 AdamW steps (the 2BP run
+    stopped after step 2 and resumed from the stages' own checkpoints) the exported transformers
+    checkpoint holds the weights of one process with --grad-accum 2, and the log its losses."""
+    out = tmp_path / schedule
+    launch = ["--engine", "pipeline", "--stages", "2", "--schedule", schedule, "--grad-accum", "2"]
+    if resume:
+        _train(out, *launch, "--steps", "2")
+        assert sorted(p.name for p in (out / "checkpoint" / "pipeline").iterdir()) == ["stage-0.pt", "stage-1.pt"]
+        proc = _train(out, *launch, "--steps", "3", "--resume")
+    else:
+        proc = _train(out, *launch, "--steps", "3")
+    assert proc.stdout.count("lm step 3") == 1
+    weights = _weights(out / "final")
+    worst = max(((weights[n] - r).norm() / r.norm()).item() for n, r in reference.items())
+    assert worst <= 1e-12, worst
+    for got, want in zip(_losses(out), _losses(single_run), strict=True):
+        assert abs(got - want) <= 1e-5
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--stages", "2"], "pass --engine pipeline"),
+    (["--engine", "pipeline", "--stages", "2", "--no-stream"], "leave streaming on"),
+    (["--engine", "pipeline", "--stages", "2", "--nproc", "3"], "pass --nproc 2"),
+])
+def test_pipeline_settings_that_cannot_run_are_one_line_errors(tmp_path, args, message):
+    proc = subprocess.run([sys.executable, "-m", "leanbp", "train", "--steps", "1", *args, "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]

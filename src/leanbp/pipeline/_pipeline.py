@@ -101,10 +101,11 @@ class Pipeline:
         return stage_loss(self.model, hidden, labels, self._denominator)
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
-             position_ids: torch.Tensor | None = None) -> torch.Tensor:
+             position_ids: torch.Tensor | None = None, num_items: torch.Tensor | int | None = None) -> torch.Tensor:
         """Forward and backward of the whole batch (every stage passes the same batch); the
         gradients of this stage's parameters are accumulated into their ``.grad``. Returns the
-        batch's mean loss on every stage (one broadcast from the last)."""
+        batch's loss on every stage (one broadcast from the last): the labelled rows' summed
+        cross-entropy over ``num_items`` (default: their count, the batch's mean)."""
         B = input_ids.shape[0]
         if B % self.microbatches:
             raise ValueError(f"the batch's {B} rows do not split into {self.microbatches} equal micro-batches")
@@ -116,7 +117,8 @@ class Pipeline:
         if "position_ids" in extras and extras["position_ids"].shape[0] != B:
             extras["position_ids"] = extras["position_ids"].expand(B, -1)  # (split per micro-batch like the rows)
         # the whole batch's labelled rows: every micro-batch's loss is its share of the batch's mean
-        self._denominator = (shift_labels(labels) != IGNORE_INDEX).sum().to(device)
+        self._denominator = torch.as_tensor((shift_labels(labels) != IGNORE_INDEX).sum() if num_items is None
+                                            else num_items).to(device)
         args = (input_ids.to(device),) if self.is_first else ()
         losses: list[torch.Tensor] = []
         keywords = dict(target=labels.to(device), losses=losses) if self.is_last else {}

@@ -299,9 +299,11 @@ def stage_hidden(model: nn.Module, layers: range, *, input_ids=None, inputs_embe
     arguments = dict(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                      position_ids=position_ids)
     config = state.config
-    return decoder_layers(state.adapter, **arguments, chunk_size=config.chunk_size, chunk_memory=config.chunk_memory,
-                          attention=config.attention, offload=config.offload, sequence=state.sequence,
-                          layers=layers, owns_grad_out=owns_grad_out).hidden
+    out = decoder_layers(state.adapter, **arguments, chunk_size=config.chunk_size, chunk_memory=config.chunk_memory,
+                         attention=config.attention, offload=config.offload, sequence=state.sequence, layers=layers,
+                         owns_grad_out=owns_grad_out)
+    state.last_chunk_rows = out.chunk_rows
+    return out.hidden
 
 
 def stage_loss(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, denominator) -> torch.Tensor:

@@ -11,6 +11,7 @@ from .._options import setting
 from ..approx import VARIANTS, variant_settings
 from ..streaming import StreamConfig
 from ._data import CLASSIFY
+from ..pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from ._engines import ENGINES
 
 OBJECTIVES = ("lm", "sft", "dpo", "grpo")
@@ -74,7 +75,16 @@ class TrainConfig:
     engine: str = setting("single", choices=ENGINES,
                           help="single: one process (the default); ddp | fsdp2 | zero2 | zero3 (DeepSpeed ZeRO): one "
                                "process per device, each on its own micro-batches, launched by --nproc N or torchrun "
-                               "(where ddp is the default)")
+                               "(where ddp is the default); pipeline: --stages S processes, each running its share "
+                               "of the layers (--schedule)")
+    stages: int = setting(1, metavar="S",
+                          help="--engine pipeline: the pipeline's stages, one process each (consecutive decoder "
+                               "layers; launched by --nproc S, or by itself when --nproc is left out); every stage "
+                               "trains on the same micro-batches (--grad-accum of them per step)")
+    schedule: str = setting("2bp", choices=PIPELINE_SCHEDULES,
+                            help="--engine pipeline: 1f1b (one forward, one backward) or 2bp (each backward split "
+                                 "into its input pass, sent upstream at once, and its weight pass, deferred to fill "
+                                 "the pipeline's idle time; see docs/pipeline.md)")
     sp: int = setting(1, metavar="P",
                       help="sequence parallelism: P ranks share each sequence, each holding --seq-len / P rows "
                            "(Ulysses' head exchange inside every streamed layer); P divides the ranks, and each group "
@@ -131,6 +141,10 @@ class TrainConfig:
             raise ValueError(f"--data {CLASSIFY} is a task for --objective lm (a prompt and one label token)")
         if self.optimizer == "dpzero":
             _check_dpzero(self)
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"schedule must be one of {PIPELINE_SCHEDULES}, got {self.schedule!r}")
+        if self.engine == "pipeline" or self.stages != 1:
+            _check_pipeline(self)
         if self.sp < 1:
             raise ValueError(f"--sp must be >= 1, got {self.sp}")
         if self.sp > 1:
@@ -160,6 +174,21 @@ def _check_sequence_parallel(cfg: "TrainConfig") -> None:
     if cfg.seq_len % cfg.sp:
         raise ValueError(f"--seq-len {cfg.seq_len} does not split over --sp {cfg.sp} ranks: choose a multiple of "
                          f"{cfg.sp}")
+
+
+def _check_pipeline(cfg: TrainConfig) -> None:
+    """What --engine pipeline needs, said before any process starts."""
+    if cfg.engine != "pipeline":
+        raise ValueError(f"--stages {cfg.stages} splits the model into a pipeline: pass --engine pipeline")
+    if cfg.stages < 2:
+        raise ValueError(f"--engine pipeline needs --stages >= 2, got {cfg.stages}")
+    if cfg.stream is None or not cfg.stream.layers or cfg.stream.offload:
+        raise ValueError("--engine pipeline runs streamed layers in every stage: leave streaming on (no --no-stream), "
+                         "without --offload")
+    if cfg.approx != "none":
+        raise ValueError("--approx with --engine pipeline is not supported yet")
+    if cfg.sp != 1:
+        raise ValueError("--sp with --engine pipeline is not supported yet")
 
 
 def _check_dpzero(cfg: TrainConfig) -> None:

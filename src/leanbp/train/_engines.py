@@ -8,6 +8,8 @@ load and export a checkpoint in its own format; the training loop (``_loop.py``)
     fsdp2    torch.distributed.checkpoint of the sharded model and optimizer state (``dcp/``),
              every rank writing its shards
     zero2/3  DeepSpeed's own checkpoint (``deepspeed/``), every rank writing its partitions
+    pipeline one stage's parameters and optimizer per rank (``pipeline/stage-S.pt``), every stage
+             on the same micro-batches (``leanbp.pipeline``)
     (dpzero) one process, no optimizer state: model.save_pretrained only (``--optimizer dpzero``,
              whose step is ``_zo.py``'s; its state is the step count, in trainer_state.json)
 
@@ -31,7 +33,7 @@ from ..streaming import causal_lm_of
 from ._ranks import launched_by_torchrun, several_processes
 from ._safe_load import load_dcp, load_deepspeed_safely, load_tensors
 
-ENGINES = ("single", "ddp", "fsdp2", "zero2", "zero3")
+ENGINES = ("single", "ddp", "fsdp2", "zero2", "zero3", "pipeline")
 BETAS = (0.9, 0.95)
 
 
@@ -42,6 +44,10 @@ class Engine:
     # checkpoints hold the weights as a transformers checkpoint, loaded (from_pretrained) before
     # approx/stream/wrapping; ``load`` then restores only the optimizer
     transformers_weights = True
+    # ranks that train on the same micro-batches (a pipeline's stages), and whether the engine
+    # averages the ranks' gradients (so that each rank divides its loss by the count / world size)
+    batch_sharers = 1
+    averages_gradients = True
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -63,6 +69,16 @@ class Engine:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     # -- a step ------------------------------------------------------------------------------
+    def forward_backward(self, batches: list[dict], denominator: torch.Tensor) -> float:
+        """Forward and backward of the step's micro-batches (host tensors, moved one at a time),
+        each loss divided by ``denominator``; the gradients accumulate. Returns the losses' sum."""
+        total = 0.0
+        for b in batches:
+            loss = self.module(**{k: v.to(self.device) for k, v in b.items()}, num_items_in_batch=denominator).loss
+            self.backward(loss)
+            total += loss.item()
+        return total
+
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
@@ -279,7 +295,85 @@ class DeepSpeedEngine(_Distributed):
         return state if self.is_main else None
 
 
-def make_engine(name: str, device: torch.device, optimizer: str = "adamw") -> Engine:
+class PipelineEngine(_Distributed):
+    """Every rank one stage of a pipeline (``leanbp.pipeline.Pipeline``): its layers, its AdamW, its
+    part of each checkpoint. The step's micro-batches form one batch that the schedule walks."""
+
+    name = "pipeline"
+    transformers_weights = False
+    averages_gradients = False  # (each stage's gradients are whole: nothing to average)
+
+    def __init__(self, device: torch.device, schedule: str, microbatches: int):
+        super().__init__(device)
+        self.batch_sharers = self.world
+        self.schedule, self.microbatches = schedule, microbatches
+        self.pipe = None
+
+    def prepare(self, model, lr, weight_decay):
+        from ..pipeline import Pipeline
+
+        self.model = model
+        self.pipe = Pipeline(model, schedule=self.schedule, microbatches=self.microbatches, device=self.device)
+        self.module = self.pipe.module
+        self.optimizer = torch.optim.AdamW(self._trainable(), lr=lr, weight_decay=weight_decay, betas=BETAS)
+
+    def _trainable(self) -> list[torch.Tensor]:
+        return [p for p in self.pipe.parameters() if p.requires_grad]
+
+    def forward_backward(self, batches, denominator):
+        whole = {k: torch.cat([b[k] for b in batches]) for k in ("input_ids", "labels", "attention_mask")}
+        mask = whole["attention_mask"]
+        loss = self.pipe.step(whole["input_ids"], whole["labels"], attention_mask=None if bool(mask.all()) else mask,
+                              num_items=denominator)
+        return float(loss)
+
+    def clip(self) -> float:
+        """Clip to norm 1 by the norm over every stage's gradients (one all-reduce)."""
+        grads = [p.grad for p in self._trainable() if p.grad is not None]
+        squares = torch.zeros(1, dtype=torch.float64, device=self._comm_device())
+        for g in grads:
+            squares += g.detach().double().pow(2).sum().to(squares.device)
+        dist.all_reduce(squares)
+        norm = float(squares.sqrt())
+        scale = 1.0 / (norm + 1e-6)
+        if scale < 1:
+            for g in grads:
+                g.mul_(scale)
+        return norm
+
+    def _stage_state(self) -> dict[str, torch.Tensor]:
+        mine = {id(p) for p in self.pipe.parameters()}
+        return {n: p.detach() for n, p in self.model.named_parameters() if id(p) in mine}
+
+    def save(self, folder: Path) -> None:
+        (folder / "pipeline").mkdir(exist_ok=True)
+        torch.save({"model": self._stage_state(), "optimizer": self.optimizer.state_dict()},
+                   folder / "pipeline" / f"stage-{self.rank}.pt")
+        if self.is_main:
+            self.model.config.save_pretrained(folder)
+
+    def load(self, folder: Path) -> None:
+        saved = load_tensors(folder / "pipeline" / f"stage-{self.rank}.pt", map_location=self.device)
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, value in saved["model"].items():
+                params[name].copy_(value)
+        self.optimizer.load_state_dict(saved["optimizer"])
+
+    def full_state_dict(self):
+        """Every stage's weights gathered on the main rank (one stage at a time is all any rank sends)."""
+        parts = [None] * self.world if self.is_main else None
+        dist.gather_object({n: t.cpu() for n, t in self._stage_state().items()}, parts, dst=0)
+        if not self.is_main:
+            return None
+        state = {n: t.cpu() for n, t in self.model.state_dict().items()}
+        for part in parts:
+            state.update(part)
+        return state
+
+
+def make_engine(name: str, device: torch.device, optimizer: str = "adamw", schedule: str = "2bp",
+                microbatches: int = 1, stages: int = 1) -> Engine:
     if name not in ENGINES:
         raise ValueError(f"--engine must be one of {ENGINES}, got {name!r}")
     if name == "single":
@@ -293,6 +387,13 @@ def make_engine(name: str, device: torch.device, optimizer: str = "adamw") -> En
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
+    if name == "pipeline":
+        engine = PipelineEngine(device, schedule, microbatches)
+        if engine.world != stages:
+            engine.close()
+            raise ValueError(f"--engine pipeline --stages {stages} runs one stage per process; this run has "
+                             f"{engine.world} processes (launch with --nproc {stages}, or leave --nproc out)")
+        return engine
     if name.startswith("zero"):
         try:
             import deepspeed  # noqa: F401  (before leanbp.stream: the streamed layers become ZeRO-3 leaves)

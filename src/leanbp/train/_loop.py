@@ -46,7 +46,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> dict:
     if launched_by_torchrun():
         die_with_torchrun()  # (no rank outlives its launcher)
     # (joins the process group of a multi-process run)
-    engine = make_engine(cfg.engine, _device(cfg.device), cfg.optimizer)
+    engine = make_engine(cfg.engine, _device(cfg.device), cfg.optimizer, schedule=cfg.schedule,
+                         microbatches=cfg.grad_accum, stages=cfg.stages)
     lock = RunLock(cfg.out)  # held by the main rank from before it reads OUT until the run ends
     try:
         return _run(cfg, engine, open_run(cfg, engine, lock), progress)
@@ -158,38 +159,37 @@ def train_step(cfg: TrainConfig, engine: Engine, data: TokenData, step: int) -> 
     lr = _lr_at(step, cfg)
     engine.set_lr(lr)
     # each rank its own micro-batches (rank 0 of one process: the same as ever); under --sp, each
-    # group of P ranks the same ones, of which each rank takes its rows
-    shard = engine.rank // cfg.sp
+    # group of P ranks the same ones, of which each rank takes its rows; a pipeline's stages all
+    # the same ones
+    sharers = cfg.sp * engine.batch_sharers
+    shard = engine.rank // sharers
     batches = [data.batch(step, shard * cfg.grad_accum + m, cfg.batch_size) for m in range(cfg.grad_accum)]
     # transformers' convention: every micro-batch divides by the step's total label count; the
     # engines average gradients over ranks, so each rank divides by that count / world size (under
     # --sp the P ranks of a group each count their group's batches: the sum counts them P times;
     # each rank's loss is its group's, of which its backward carries its rows' share, and the
     # engine's average of the ranks' gradients sums the shares)
-    n_items = int(engine.sum(sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches))) // cfg.sp
-    denominator = (torch.tensor(n_items, device=device) if engine.world == 1 else
-                   torch.tensor(n_items / engine.world,
+    n_items = int(engine.sum(sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches))) // sharers
+    averaged = engine.world if engine.averages_gradients else 1
+    denominator = (torch.tensor(n_items, device=device) if averaged == 1 else
+                   torch.tensor(n_items / averaged,
                                 dtype=torch.promote_types(dtype_named(cfg.dtype), torch.float32), device=device))
     t0 = time.perf_counter()
     loss_sum, grad_norm, mem = 0.0, 0.0, None
     if n_items:
         with track(engine.model, device=device) if _trackable(engine) else nullcontext() as mem:
-            for b in batches:
-                if cfg.sp > 1:
-                    b = sequence_batch(engine.model, **b)
-                b = {k: v.to(device) for k, v in b.items()}
-                loss = engine.module(**b, num_items_in_batch=denominator).loss
-                engine.backward(loss)
-                loss_sum += loss.item()
+            rows = [sequence_batch(engine.model, **b) for b in batches] if cfg.sp > 1 else batches
+            loss_sum = engine.forward_backward(rows, denominator)
         grad_norm = engine.clip()
-    loss_sum = engine.sum(loss_sum) / engine.world / cfg.sp  # (the P ranks of a group each hold its loss)
+    # (the P ranks of a group each hold its loss; a pipeline's stages each hold the step's)
+    loss_sum = engine.sum(loss_sum) / engine.world / cfg.sp
     skip = _skip_reason(step, n_items, loss_sum, grad_norm, cfg.skip_nonfinite)
     if skip:
         engine.skip()
     else:
         engine.step()
     seconds = time.perf_counter() - t0
-    tokens = engine.sum(sum(int(b["attention_mask"].sum()) for b in batches)) / cfg.sp
+    tokens = engine.sum(sum(int(b["attention_mask"].sum()) for b in batches)) / sharers
     report = mem.report.as_mib() if mem is not None else {"peak": float("nan"), "activations": float("nan")}
     return StepResult(loss=loss_sum if not skip else float("nan"), lr=lr, tokens_per_s=tokens / seconds,
                       peak_mib=report["peak"], activation_mib=report["activations"], skip=skip)
@@ -253,7 +253,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 def _trackable(engine: Engine) -> bool:
     """The CPU tracker counts plain tensors' storages; sharded (DTensor, ZeRO-3) parameters it
     cannot see through are measured on CUDA only (allocator peaks)."""
-    return engine.device.type == "cuda" or engine.name in ("single", "ddp")
+    return engine.device.type == "cuda" or engine.name in ("single", "ddp", "pipeline")
 
 
 def _skip_reason(step: int, n_items: int, loss: float, grad_norm: float | None, skip_nonfinite: bool) -> str | None:
