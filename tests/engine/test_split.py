@@ -18,17 +18,18 @@ from conftest import tiny_model
 TOL = 1e-12
 
 
-def _stage_out(model, hidden_in, labels, last: bool):
+def _stage_out(model, hidden_in, labels, last: bool, defer: bool = False):
     """Layers 1.. of ``model`` on ``hidden_in`` (a stage after the first), with the loss when last."""
     n = model.config.num_hidden_layers
     out = stage_hidden(model, range(1, n), inputs_embeds=hidden_in)
     if last:
-        return stage_loss(model, out, labels, (labels[:, 1:] != -100).sum())
+        return stage_loss(model, out, labels, (labels[:, 1:] != -100).sum(), defer_param_grads=defer)
     return out
 
 
-@pytest.mark.parametrize("last", [False, True], ids=["middle stage", "last stage (chunked head)"])
-def test_input_then_weight_pass_equal_the_full_backward_and_each_costs_less(last):
+@pytest.mark.parametrize("last, defer", [(False, False), (True, False), (True, True)],
+                         ids=["middle stage", "last stage (chunked head)", "last stage, head's weights deferred"])
+def test_input_then_weight_pass_equal_the_full_backward_and_each_costs_less(last, defer):
     model = leanbp.stream(tiny_model("llama", num_hidden_layers=3, tie_word_embeddings=False), chunk_size=5,
                           head_chunk_size=7)
     params = [p for i in (1, 2) for p in model.model.layers[i].parameters()]
@@ -48,7 +49,7 @@ def test_input_then_weight_pass_equal_the_full_backward_and_each_costs_less(last
     model.zero_grad(set_to_none=True)
 
     x = hidden_in.clone().requires_grad_()
-    out = _stage_out(model, x, labels, last)
+    out = _stage_out(model, x, labels, last, defer)
     with WorkCounter() as input_flops, backward_pass("input"):
         (dx,), groups = stage_backward_input([out], None if last else [grad_out], [x], iter(params))
     assert current_pass() == "full"
@@ -64,7 +65,27 @@ def test_input_then_weight_pass_equal_the_full_backward_and_each_costs_less(last
     # backward costs; the split's price is the input pass
     total, inp, wgt = full_flops.flops, input_flops.flops, weight_flops.flops
     assert 0.5 * total < inp < 0.9 * total
-    assert wgt == total
+    if defer:  # the head's logits once more, and its weight gradient, in the weight pass
+        assert wgt > total
+    else:
+        assert wgt == total
+
+
+def test_a_deferring_head_holds_no_weight_gradient_between_forward_and_the_weight_pass():
+    from leanbp.memory import track
+
+    model = leanbp.stream(tiny_model("llama", num_hidden_layers=2, tie_word_embeddings=False), chunk_size=5,
+                          head_chunk_size=7)
+    hidden = torch.randn(2, 17, model.config.hidden_size, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, model.config.vocab_size, (2, 17))
+    peak = {}
+    for defer in (False, True):
+        with track(model) as mem:
+            loss = stage_loss(model, hidden, labels, 32, defer_param_grads=defer)
+        peak[defer] = mem.report.peak
+        del loss
+    head = model.lm_head.weight
+    assert peak[False] - peak[True] >= head.numel() * head.element_size()  # the (V, H) sum kept until backward
 
 
 def test_a_pass_name_is_checked_and_restored():

@@ -90,6 +90,13 @@ class HeadCall:
     # The input is a tensor nothing else will read (the last streamed layer's output): its rows
     # may be overwritten with their gradient once read. Set only by callers that own that tensor.
     input_is_scratch: bool = False
+    # the loss's parameter gradients are computed in the weight pass of a split backward, not in
+    # forward (``ChunkedCrossEntropyFunction``)
+    defer_param_grads: bool = False
+
+    def __post_init__(self):
+        if self.defer_param_grads and self.input_is_scratch:
+            raise ValueError("a head that defers its parameter gradients recomputes from its input: it cannot be scratch")
 
     @property
     def fused(self) -> bool:
@@ -226,43 +233,63 @@ def _param_grads(need_params: list[bool], grads: list) -> tuple:
     return tuple(next(it) if need else None for need in need_params)
 
 
+def _cross_entropy_chunks(r: _Rows, call: HeadCall, want_grad: bool, grads: GradSum,
+                          dflat: torch.Tensor | None) -> torch.Tensor:
+    """The summed CE of ``r``'s labelled rows, chunk by chunk; with ``want_grad`` the gradients of
+    the rows (into ``dflat``) and of ``r.trainable`` (into ``grads``) of that sum, from the same
+    logits."""
+    total = torch.zeros((), dtype=torch.promote_types(r.flat.dtype, torch.float32), device=r.flat.device)
+    head_grads = r.head_grad_sums(grads) if want_grad and call.fused else {}
+    for idx in r.chunks():
+        rows, inputs = r.read(idx, want_grad)
+        targets = r.targets.index_select(0, idx)
+        chunk = _Chunk(call, rows, inputs, graph=want_grad)
+        z = chunk.z
+        z_kept = z.clone() if want_grad and call.transform.softcap is not None else None
+        # Memory: log-softmax in the z buffer itself, one pass and no (n, V) temporary (a
+        # logsumexp and a subtraction took two passes more)
+        log_p = torch.log_softmax(z, dim=-1, out=z)  # (n, V)
+        total -= log_p.gather(1, targets[:, None]).sum()
+        if want_grad:
+            # d(sum CE)/dz = softmax - onehot, computed in the same buffer
+            dz = log_p.exp_()
+            dz[torch.arange(dz.shape[0], device=dz.device), targets] -= 1
+            g = chunk.backprop(dz, z_kept, head_grads)
+            if r.need_input:
+                dflat.index_copy_(0, idx, g.pop(0))  # each row is in exactly one chunk
+            grads.add(g)
+            del dz  # (the z buffer: gone before the next chunk's logits exist)
+        del chunk, z, log_p
+    return total
+
+
 class ChunkedCrossEntropyFunction(torch.autograd.Function):
     """hidden (B, T, H), call, *params -> the summed cross-entropy of the labelled rows divided by
-    ``denominator`` (a scalar)."""
+    ``denominator`` (a scalar).
+
+    The loss is a scalar, so forward computes every gradient of it from the same logits and
+    backward only scales them. With ``call.defer_param_grads`` (a pipeline that defers its weight
+    passes, 2BP) forward computes only the input's gradient and the weight pass recomputes the
+    logits for the parameters': otherwise every micro-batch waiting for its weight pass would hold
+    a (V, H) gradient sum."""
 
     @staticmethod
     @in_phase("head")
     def forward(ctx, hidden: torch.Tensor, call: HeadCall, denominator, grad_enabled: bool, *params):
         r = _Rows(ctx, hidden, call, params, first_param=4)
         want_grad = grad_enabled and (r.need_input or bool(r.trainable))
+        deferred = want_grad and call.defer_param_grads and bool(r.trainable)
+        if deferred:  # Memory: the input is kept to recompute the logits in the weight pass
+            r.trainable = []
+            ctx.save_for_backward(hidden, *params)
         n_rows = r.index.numel()
         if n_rows and not (torch.is_tensor(denominator) or denominator):
             raise ValueError(f"num_items_in_batch is 0 but the batch has {n_rows} labelled tokens")
-        total = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
         grads = GradSum(r.trainable if want_grad else [])  # (takes zeroed gradients: only when it returns them)
-        head_grads = r.head_grad_sums(grads) if want_grad and call.fused else {}
         dflat = r.grad_buffer() if want_grad and r.need_input else None
-        for idx in r.chunks():
-            rows, inputs = r.read(idx, want_grad)
-            targets = r.targets.index_select(0, idx)
-            chunk = _Chunk(call, rows, inputs, graph=want_grad)
-            z = chunk.z
-            z_kept = z.clone() if want_grad and call.transform.softcap is not None else None
-            # Memory: log-softmax in the z buffer itself, one pass and no (n, V) temporary (a
-            # logsumexp and a subtraction took two passes more)
-            log_p = torch.log_softmax(z, dim=-1, out=z)  # (n, V)
-            total -= log_p.gather(1, targets[:, None]).sum()
-            if want_grad:
-                # d(sum CE)/dz = softmax - onehot, computed in the same buffer
-                dz = log_p.exp_()
-                dz[torch.arange(dz.shape[0], device=dz.device), targets] -= 1
-                g = chunk.backprop(dz, z_kept, head_grads)
-                if r.need_input:
-                    dflat.index_copy_(0, idx, g.pop(0))  # each row is in exactly one chunk
-                grads.add(g)
-                del dz  # (the z buffer: gone before the next chunk's logits exist)
-            del chunk, z, log_p
+        total = _cross_entropy_chunks(r, call, want_grad, grads, dflat)
         loss = total / denominator  # no labelled row and no count: 0 / 0 = nan, as in transformers
+        ctx.call, ctx.deferred = call, deferred
         ctx.denominator = denominator
         ctx.n_rows = n_rows
         ctx.param_grads = grads if want_grad else None
@@ -286,8 +313,15 @@ class ChunkedCrossEntropyFunction(torch.autograd.Function):
             dinput = dflat.mul_(scale.to(dflat.dtype)).view(ctx.hidden_shape)
         if not any(need_params):  # (an input pass: the weight pass hands them over)
             return (dinput, None, None, None, *[None] * len(need_params))
-        # Memory: drop ctx's references so the summed gradients are handed over, not copied
-        param_grads, ctx.param_grads = ctx.param_grads, None
+        if ctx.deferred:  # the logits again, for the parameters only (their input's gradient is done)
+            hidden, *params = ctx.saved_tensors
+            r = _Rows(ctx, hidden, ctx.call, params, first_param=4)
+            r.need_input = False
+            param_grads = GradSum(r.trainable)
+            _cross_entropy_chunks(r, ctx.call, True, param_grads, None)
+        else:
+            # Memory: drop ctx's references so the summed gradients are handed over, not copied
+            param_grads, ctx.param_grads = ctx.param_grads, None
         grads = param_grads.result(scale, zeros_for_missing=True)
         return (dinput, None, None, None, *_param_grads(need_params, grads))
 

@@ -98,7 +98,10 @@ class Pipeline:
     def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if not self.module.streamed:
             return plain_loss(self.module, hidden, labels, self._denominator)
-        return stage_loss(self.model, hidden, labels, self._denominator)
+        # (2BP: the head's weight gradients wait for the weight pass, not as one (V, H) sum per
+        # micro-batch in flight)
+        return stage_loss(self.model, hidden, labels, self._denominator,
+                          defer_param_grads=self.schedule_name == "2bp")
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
              position_ids: torch.Tensor | None = None, num_items: torch.Tensor | int | None = None) -> torch.Tensor:

@@ -237,7 +237,7 @@ def _head_params(norm: nn.Module, lm_head: nn.Module) -> list[torch.Tensor]:
 
 
 def _head_loss(state: StreamState, hidden: torch.Tensor, norm: nn.Module, scratch: bool, labels: torch.Tensor,
-               denominator) -> tuple[torch.Tensor, HeadCall]:
+               denominator, defer_param_grads: bool = False) -> tuple[torch.Tensor, HeadCall]:
     """The causal-LM loss of ``hidden`` (the last layer's output; ``norm`` applied inside the head's
     chunks) against ``labels``: summed over labelled rows, divided by ``denominator`` (None: their
     count; under sequence parallelism, the whole sequence's)."""
@@ -252,7 +252,7 @@ def _head_loss(state: StreamState, hidden: torch.Tensor, norm: nn.Module, scratc
     grad = torch.is_grad_enabled()
     call = HeadCall(norm=norm, lm_head=lm_head, targets=targets, chunk_size=state.config.head_chunk_size,
                     autocast=AutocastState(hidden.device.type), transform=state.adapter.logit_transform(),
-                    input_is_scratch=scratch and grad)
+                    input_is_scratch=scratch and grad, defer_param_grads=defer_param_grads)
     loss = cross_entropy(hidden, call, denominator, partial(_head_params, norm, lm_head))
     if state.sequence is not None:  # the whole sequence's loss on every rank; each backpropagates its rows' share
         loss = sum_over_group(loss, state.sequence)
@@ -306,17 +306,20 @@ def stage_hidden(model: nn.Module, layers: range, *, input_ids=None, inputs_embe
     return out.hidden
 
 
-def stage_loss(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, denominator) -> torch.Tensor:
+def stage_loss(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, denominator,
+               defer_param_grads: bool = False) -> torch.Tensor:
     """The causal-LM loss of the last layer's output ``hidden`` (a pipeline's last stage: final
     norm and LM head inside leanbp's chunked head, no full logits), summed over the labelled rows of
-    ``labels`` and divided by ``denominator`` (the whole batch's count, so that micro-batches add up)."""
+    ``labels`` and divided by ``denominator`` (the whole batch's count, so that micro-batches add up).
+    ``defer_param_grads``: the head's parameter gradients wait for the weight pass (2BP), which
+    recomputes the logits, instead of being summed in forward and held until then."""
     lm = causal_lm_of(model)
     state = state_of(lm)
     if state is None:
         raise ValueError("stage_loss needs a streamed model: call leanbp.stream(model) first")
     if tuple(labels.shape) != tuple(hidden.shape[:2]):
         raise ValueError(f"labels must have shape {tuple(hidden.shape[:2])}, got {tuple(labels.shape)}")
-    return _head_loss(state, hidden, state.adapter.final_norm(), False, labels, denominator)[0]
+    return _head_loss(state, hidden, state.adapter.final_norm(), False, labels, denominator, defer_param_grads)[0]
 
 
 def token_log_probs(model: nn.Module, labels: torch.Tensor, *, input_ids=None, inputs_embeds=None,
