@@ -173,25 +173,31 @@ def _plot(measured: list[dict], idle: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
+    fig, (a, b, c, d) = plt.subplots(1, 4, figsize=(19, 4.2))
     labels = [f"S={m['stages']}\n{m['schedule']}\n{m['kind']}" for m in measured]
     colors = ["#3b7dd8" if m["kind"] == "streamed" else "#999999" for m in measured]
     a.bar(labels, [m["step_s"] for m in measured], color=colors)
     a.set_ylabel("step seconds (slowest stage)")
-    a.set_title("measured step time", fontsize=10)
+    a.set_title("measured step time (blue: streamed)", fontsize=10)
     a.tick_params(axis="x", labelsize=7)
     b.bar(labels, [max(m["activation_mib"]) for m in measured], color=colors)
     b.set_ylabel("activation MiB (largest stage)")
     b.set_title("measured per-stage peak", fontsize=10)
     b.tick_params(axis="x", labelsize=7)
-    for name in dict.fromkeys(r["costs"] for r in idle):
+    names = list(dict.fromkeys(r["costs"] for r in idle))
+    xs = [f"S={r['stages']},M={r['microbatches']}" for r in idle if r["costs"] == names[0]]
+    c.plot(xs, [r["idle_1f1b"] for r in idle if r["costs"] == names[0]], "ko--", label="1F1B (any costs)")
+    for name in names:
         rows = [r for r in idle if r["costs"] == name]
-        xs = [f"S={r['stages']},M={r['microbatches']}" for r in rows]
-        line = c.plot(xs, [r["idle_1f1b"] for r in rows], "o--", label=f"1F1B, {name}")[0]
-        c.plot(xs, [r["idle_2bp"] for r in rows], "s-", color=line.get_color(), label=f"2BP, {name}")
+        c.plot(xs, [r["idle_2bp"] for r in rows], "s-", label=f"2BP, {name}")
+        d.plot(xs, [r["makespan_2bp"] / r["makespan_1f1b"] for r in rows], "s-", label=name)
     c.set_ylabel("idle fraction")
-    c.set_title("from the schedule (torch's action order)", fontsize=10)
-    c.legend(fontsize=6)
+    c.set_title("idle fraction, from torch's action order", fontsize=10)
+    c.legend(fontsize=7)
+    d.axhline(1.0, color="k", lw=0.8, ls="--")
+    d.set_ylabel("2BP makespan / 1F1B makespan")
+    d.set_title("step time from the schedule (below 1: 2BP wins)", fontsize=10)
+    d.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -204,8 +210,13 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up (median)")
     p.add_argument("--stages", default="2,4")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/pipeline"))
+    p.add_argument("--plot-only", action="store_true", help="redraw pipeline.png from --out's pipeline.json")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.plot_only:
+        saved = json.loads((args.out / "pipeline.json").read_text())
+        _plot(saved["measured"], saved["idle"], args.out / "pipeline.png")
+        return 0
     from tqdm import tqdm
 
     job = dict(seq_len=args.seq_len, chunk=args.chunk_size, microbatches=args.microbatches, steps=args.steps)

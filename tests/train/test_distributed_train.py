@@ -156,6 +156,19 @@ def test_pipeline_stages_train_the_weights_of_one_process(tmp_path, single_run, 
         assert abs(got - want) <= 1e-5
 
 
+def test_two_pipelines_side_by_side_train_the_weights_of_one_process(tmp_path, single_run, reference):
+    """--nproc 4 --stages 2: two pipelines, each on one of the micro-batches one process sees with
+    --grad-accum 2, each stage's gradients averaged over its two replicas."""
+    out = tmp_path / "replicas"
+    proc = _train(out, "--nproc", "4", "--engine", "pipeline", "--stages", "2", "--schedule", "2bp", "--steps", "3")
+    assert proc.stdout.count("lm step 3") == 1
+    weights = _weights(out / "final")
+    worst = max(((weights[n] - r).norm() / r.norm()).item() for n, r in reference.items())
+    assert worst <= 1e-12, worst
+    for got, want in zip(_losses(out), _losses(single_run), strict=True):
+        assert abs(got - want) <= 1e-5
+
+
 @pytest.mark.parametrize("args, message", [
     (["--stages", "2"], "pass --engine pipeline"),
     (["--engine", "pipeline", "--stages", "2", "--no-stream"], "leave streaming on"),

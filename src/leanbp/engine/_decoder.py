@@ -23,9 +23,9 @@ from ._grads import AutocastState, GradSum
 from ._layer import LayerCall, StreamedLayerFunction
 from ._masks import Documents, KeyKeep
 from ._module_call import call_through
-from ._split import wanted
 from ._moe import RouterStats
 from ._offload import HostStore, to_device, to_host
+from ._split import wanted
 from ._ulysses import HeadSplit, SequenceGroup
 
 

@@ -38,13 +38,13 @@ class Pipeline:
     streamed layers and leanbp's chunked head; an unstreamed one's run transformers' layers and
     full logits (the baseline; causal rows without a padding mask).
 
-        pipe = leanbp.pipeline.Pipeline(leanbp.stream(model), schedule="2bp", microbatches=4)
+        pipe = leanbp.pipeline.Pipeline(leanbp.stream(model), schedule="1f1b", microbatches=4)
         opt = torch.optim.AdamW(pipe.parameters())
         loss = pipe.step(input_ids, labels)  # every rank passes the same whole batch
         opt.step(); opt.zero_grad()
     """
 
-    def __init__(self, model: nn.Module, *, schedule: str = "2bp", microbatches: int,
+    def __init__(self, model: nn.Module, *, schedule: str = "1f1b", microbatches: int,
                  group: dist.ProcessGroup | None = None, device: torch.device | str | None = None):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")

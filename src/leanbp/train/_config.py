@@ -79,12 +79,14 @@ class TrainConfig:
                                "of the layers (--schedule)")
     stages: int = setting(1, metavar="S",
                           help="--engine pipeline: the pipeline's stages, one process each (consecutive decoder "
-                               "layers; launched by --nproc S, or by itself when --nproc is left out); every stage "
-                               "trains on the same micro-batches (--grad-accum of them per step)")
-    schedule: str = setting("2bp", choices=PIPELINE_SCHEDULES,
+                               "layers; launched by itself, or by --nproc S; --nproc R x S runs R pipelines side by "
+                               "side, each on its own micro-batches, gradients averaged); a pipeline's stages train "
+                               "on the same micro-batches (--grad-accum of them per step)")
+    schedule: str = setting("1f1b", choices=PIPELINE_SCHEDULES,
                             help="--engine pipeline: 1f1b (one forward, one backward) or 2bp (each backward split "
                                  "into its input pass, sent upstream at once, and its weight pass, deferred to fill "
-                                 "the pipeline's idle time; see docs/pipeline.md)")
+                                 "the pipeline's idle time; with streamed layers the weight pass recomputes, which "
+                                 "costs more than it fills on the measured set-ups: see docs/pipeline.md)")
     sp: int = setting(1, metavar="P",
                       help="sequence parallelism: P ranks share each sequence, each holding --seq-len / P rows "
                            "(Ulysses' head exchange inside every streamed layer); P divides the ranks, and each group "

@@ -44,10 +44,8 @@ class Engine:
     # checkpoints hold the weights as a transformers checkpoint, loaded (from_pretrained) before
     # approx/stream/wrapping; ``load`` then restores only the optimizer
     transformers_weights = True
-    # ranks that train on the same micro-batches (a pipeline's stages), and whether the engine
-    # averages the ranks' gradients (so that each rank divides its loss by the count / world size)
+    # ranks that train on the same micro-batches (a pipeline's stages)
     batch_sharers = 1
-    averages_gradients = True
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -59,6 +57,12 @@ class Engine:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def averaged_ranks(self) -> int:
+        """The ranks whose gradients the engine averages (each divides its loss by the step's label
+        count over this)."""
+        return self.world
 
     # -- set-up ------------------------------------------------------------------------------
     def prepare(self, model: nn.Module, lr: float, weight_decay: float) -> None:
@@ -297,23 +301,39 @@ class DeepSpeedEngine(_Distributed):
 
 class PipelineEngine(_Distributed):
     """Every rank one stage of a pipeline (``leanbp.pipeline.Pipeline``): its layers, its AdamW, its
-    part of each checkpoint. The step's micro-batches form one batch that the schedule walks."""
+    part of each checkpoint. The step's micro-batches form one batch that the schedule walks. With
+    more ranks than stages, R = ranks / stages pipelines side by side (consecutive ranks form one),
+    each on its own micro-batches, and each stage's gradients averaged over its R replicas (one
+    all-reduce per parameter per step, over the group of that stage's ranks)."""
 
     name = "pipeline"
     transformers_weights = False
-    averages_gradients = False  # (each stage's gradients are whole: nothing to average)
 
-    def __init__(self, device: torch.device, schedule: str, microbatches: int):
+    def __init__(self, device: torch.device, schedule: str, microbatches: int, stages: int):
         super().__init__(device)
-        self.batch_sharers = self.world
+        if self.world % stages:
+            raise ValueError(f"--engine pipeline --stages {stages}: the {self.world} processes are not a whole number "
+                             f"of pipelines (launch a multiple of {stages})")
+        self.batch_sharers = stages
+        self.replicas = self.world // stages
         self.schedule, self.microbatches = schedule, microbatches
+        # (every rank makes every group, as new_group requires)
+        pipelines = [dist.new_group(list(range(r * stages, (r + 1) * stages))) for r in range(self.replicas)]
+        replicas = [dist.new_group(list(range(s, self.world, stages))) for s in range(stages)]
+        self.pipeline_group = pipelines[self.rank // stages]
+        self.replica_group = replicas[self.rank % stages] if self.replicas > 1 else None
         self.pipe = None
+
+    @property
+    def averaged_ranks(self) -> int:
+        return self.replicas  # (a stage's gradients are whole within its pipeline)
 
     def prepare(self, model, lr, weight_decay):
         from ..pipeline import Pipeline
 
         self.model = model
-        self.pipe = Pipeline(model, schedule=self.schedule, microbatches=self.microbatches, device=self.device)
+        self.pipe = Pipeline(model, schedule=self.schedule, microbatches=self.microbatches, device=self.device,
+                             group=self.pipeline_group)
         self.module = self.pipe.module
         self.optimizer = torch.optim.AdamW(self._trainable(), lr=lr, weight_decay=weight_decay, betas=BETAS)
 
@@ -325,15 +345,21 @@ class PipelineEngine(_Distributed):
         mask = whole["attention_mask"]
         loss = self.pipe.step(whole["input_ids"], whole["labels"], attention_mask=None if bool(mask.all()) else mask,
                               num_items=denominator)
+        if self.replica_group is not None:  # the stage's replicas average their gradients
+            for p in self._trainable():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self.replica_group)
+                    p.grad.div_(self.replicas)
         return float(loss)
 
     def clip(self) -> float:
-        """Clip to norm 1 by the norm over every stage's gradients (one all-reduce)."""
+        """Clip to norm 1 by the norm over every stage's gradients (one all-reduce in the pipeline;
+        its replicas hold the same averaged gradients)."""
         grads = [p.grad for p in self._trainable() if p.grad is not None]
         squares = torch.zeros(1, dtype=torch.float64, device=self._comm_device())
         for g in grads:
             squares += g.detach().double().pow(2).sum().to(squares.device)
-        dist.all_reduce(squares)
+        dist.all_reduce(squares, group=self.pipeline_group)
         norm = float(squares.sqrt())
         scale = 1.0 / (norm + 1e-6)
         if scale < 1:
@@ -346,14 +372,16 @@ class PipelineEngine(_Distributed):
         return {n: p.detach() for n, p in self.model.named_parameters() if id(p) in mine}
 
     def save(self, folder: Path) -> None:
-        (folder / "pipeline").mkdir(exist_ok=True)
-        torch.save({"model": self._stage_state(), "optimizer": self.optimizer.state_dict()},
-                   folder / "pipeline" / f"stage-{self.rank}.pt")
+        """The first pipeline's stages write their files (the replicas hold the same state)."""
+        if self.rank < self.batch_sharers:
+            (folder / "pipeline").mkdir(exist_ok=True)
+            torch.save({"model": self._stage_state(), "optimizer": self.optimizer.state_dict()},
+                       folder / "pipeline" / f"stage-{self.pipe.stage_index}.pt")
         if self.is_main:
             self.model.config.save_pretrained(folder)
 
     def load(self, folder: Path) -> None:
-        saved = load_tensors(folder / "pipeline" / f"stage-{self.rank}.pt", map_location=self.device)
+        saved = load_tensors(folder / "pipeline" / f"stage-{self.pipe.stage_index}.pt", map_location=self.device)
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, value in saved["model"].items():
@@ -361,9 +389,10 @@ class PipelineEngine(_Distributed):
         self.optimizer.load_state_dict(saved["optimizer"])
 
     def full_state_dict(self):
-        """Every stage's weights gathered on the main rank (one stage at a time is all any rank sends)."""
+        """Every stage's weights, gathered from the first pipeline on the main rank."""
         parts = [None] * self.world if self.is_main else None
-        dist.gather_object({n: t.cpu() for n, t in self._stage_state().items()}, parts, dst=0)
+        mine = {n: t.cpu() for n, t in self._stage_state().items()} if self.rank < self.batch_sharers else {}
+        dist.gather_object(mine, parts, dst=0)
         if not self.is_main:
             return None
         state = {n: t.cpu() for n, t in self.model.state_dict().items()}
@@ -372,7 +401,7 @@ class PipelineEngine(_Distributed):
         return state
 
 
-def make_engine(name: str, device: torch.device, optimizer: str = "adamw", schedule: str = "2bp",
+def make_engine(name: str, device: torch.device, optimizer: str = "adamw", schedule: str = "1f1b",
                 microbatches: int = 1, stages: int = 1) -> Engine:
     if name not in ENGINES:
         raise ValueError(f"--engine must be one of {ENGINES}, got {name!r}")
@@ -388,12 +417,7 @@ def make_engine(name: str, device: torch.device, optimizer: str = "adamw", sched
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     if name == "pipeline":
-        engine = PipelineEngine(device, schedule, microbatches)
-        if engine.world != stages:
-            engine.close()
-            raise ValueError(f"--engine pipeline --stages {stages} runs one stage per process; this run has "
-                             f"{engine.world} processes (launch with --nproc {stages}, or leave --nproc out)")
-        return engine
+        return PipelineEngine(device, schedule, microbatches, stages)
     if name.startswith("zero"):
         try:
             import deepspeed  # noqa: F401  (before leanbp.stream: the streamed layers become ZeRO-3 leaves)

@@ -35,9 +35,9 @@ def check_run(cfg: TrainConfig, world: int) -> None:
     RunLock.check_free(Path(cfg.out))  # (first: a live run there is the one thing to say)
     if world % cfg.sp:
         raise ValueError(f"--sp {cfg.sp} must divide --nproc {world}: each group of {cfg.sp} ranks shares a sequence")
-    if cfg.engine == "pipeline" and world != cfg.stages:
+    if cfg.engine == "pipeline" and world % cfg.stages:
         raise ValueError(f"--engine pipeline --stages {cfg.stages} runs one stage per process: pass --nproc {cfg.stages} "
-                         "(or leave --nproc out)")
+                         f"(or a multiple of it: pipelines side by side; or leave --nproc out)")
     config = model_config(cfg.model, cfg.seq_len)
     tokenizer = load_tokenizer(cfg.model, config.vocab_size)
     if cfg.objective == "lm":

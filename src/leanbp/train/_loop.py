@@ -170,7 +170,7 @@ def train_step(cfg: TrainConfig, engine: Engine, data: TokenData, step: int) -> 
     # each rank's loss is its group's, of which its backward carries its rows' share, and the
     # engine's average of the ranks' gradients sums the shares)
     n_items = int(engine.sum(sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches))) // sharers
-    averaged = engine.world if engine.averages_gradients else 1
+    averaged = engine.averaged_ranks
     denominator = (torch.tensor(n_items, device=device) if averaged == 1 else
                    torch.tensor(n_items / averaged,
                                 dtype=torch.promote_types(dtype_named(cfg.dtype), torch.float32), device=device))
