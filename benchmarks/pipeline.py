@@ -167,6 +167,39 @@ def _idle_table(costs: dict, stage_counts=(4, 8)) -> list[dict]:
     return rows
 
 
+def _summary(measured: list[dict], costs: dict, microbatches: int, stage_counts=(2, 4, 8)) -> list[dict]:
+    """One row per (stages, schedule, layers): the measured step and per-stage memory where it ran,
+    and the idle fraction and makespan ratio of torch's action order with the measured pass costs."""
+    from leanbp.pipeline import Costs, one_f_one_b_order, simulate, zero_bubble_order
+
+    rows = []
+    for S in stage_counts:
+        for kind, c in costs.items():
+            model = Costs(F=1.0, B=c["B"] / c["F"], I=c["I"] / c["F"], W=c["W"] / c["F"])
+            one = simulate(one_f_one_b_order(S, microbatches), model)
+            for schedule in SCHEDULES:
+                run = simulate(zero_bubble_order(S, microbatches), model) if schedule == "2bp" else one
+                m = next((x for x in measured if (x["stages"], x["schedule"], x["kind"]) == (S, schedule, kind)), None)
+                rows.append(dict(stages=S, schedule=schedule, kind=kind, microbatches=microbatches,
+                                 step_s=m["step_s"] if m else None, vs_1f1b=m.get("vs_1f1b") if m else None,
+                                 activation_mib=m["activation_mib"] if m else None, idle=run.idle_fraction,
+                                 makespan_vs_1f1b=run.makespan / one.makespan))
+    return rows
+
+
+def _print_summary(rows: list[dict]) -> None:
+    print("\n(one table) measured where it ran; idle fraction and makespan from torch's action order with the "
+          "measured pass costs")
+    print("| stages | schedule | layers | step s | vs 1F1B | activation MiB per stage | idle fraction | "
+          "makespan vs 1F1B |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        measured = (f"{r['step_s']:.2f} | {r['vs_1f1b']:.3f} | {', '.join(f'{x:.1f}' for x in r['activation_mib'])}"
+                    if r["step_s"] is not None else "- | - | -")
+        print(f"| {r['stages']} | {r['schedule']} | {r['kind']} | {measured} | {r['idle']:.3f} | "
+              f"{r['makespan_vs_1f1b']:.2f} |")
+
+
 def _plot(measured: list[dict], idle: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -210,11 +243,13 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up (median)")
     p.add_argument("--stages", default="2,4")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/pipeline"))
-    p.add_argument("--plot-only", action="store_true", help="redraw pipeline.png from --out's pipeline.json")
+    p.add_argument("--plot-only", action="store_true",
+                   help="print the one table and redraw pipeline.png from --out's pipeline.json")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.plot_only:
         saved = json.loads((args.out / "pipeline.json").read_text())
+        _print_summary(_summary(saved["measured"], saved["pass_seconds"], args.microbatches))
         _plot(saved["measured"], saved["idle"], args.out / "pipeline.png")
         return 0
     from tqdm import tqdm
@@ -253,9 +288,11 @@ def main(argv=None) -> int:
     for r in idle:
         print(f"| {r['costs']} | 1 : {r['B']:.2f} : {r['I']:.2f} : {r['W']:.2f} | {r['stages']} | {r['microbatches']} | "
               f"{r['idle_1f1b']:.3f} | {r['idle_2bp']:.3f} | {r['makespan_1f1b']:.1f} | {r['makespan_2bp']:.1f} |")
+    table = _summary(measured, costs, args.microbatches)
+    _print_summary(table)
     summary = dict(date=datetime.now(timezone.utc).strftime("%Y-%m-%d"), torch=torch.__version__, cpus=os.cpu_count(),
                    command="python " + " ".join(shlex.quote(a) for a in sys.argv), measured=measured,
-                   pass_seconds=costs, idle=idle)
+                   pass_seconds=costs, idle=idle, table=table)
     (args.out / "pipeline.json").write_text(json.dumps(summary, indent=1))
     with open(args.out / "pipeline.csv", "w", newline="") as f:
         w = csv.writer(f)
