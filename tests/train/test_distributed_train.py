@@ -101,12 +101,13 @@ def test_engines_other_than_single_need_several_processes(tmp_path):
     assert proc.returncode == 2 and "--nproc" in proc.stderr
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
-def test_sequence_parallel_ranks_train_the_weights_of_one_process(tmp_path, single_run, reference, engine):
+@pytest.mark.parametrize("engine, extra", [("ddp", []), ("fsdp2", []), ("ddp", ["--offload"])],
+                         ids=["ddp", "fsdp2", "ddp-offload"])
+def test_sequence_parallel_ranks_train_the_weights_of_one_process(tmp_path, single_run, reference, engine, extra):
     """--sp 2 on 2 ranks: one group whose ranks hold half of every sequence's rows each (the head
-    exchange inside every streamed layer) and train on the micro-batches of one process with
-    --grad-accum 2: the same weights after 3 AdamW steps, and the same losses in the log (a loss
-    counted once per rank of the group would read 2x).
+    exchange inside every streamed layer; with --offload, held in host memory) and train on the
+    micro-batches of one process with --grad-accum 2: the same weights after 3 AdamW steps, and the
+    same losses in the log (a loss counted once per rank of the group would read 2x).
 
     To 1e-6, not 1e-12: transformers' RMSNorm computes in float32 even in a float64 model, and the
     ranks split the attention's key blocks differently from one process, so a float64 rounding
@@ -114,7 +115,7 @@ def test_sequence_parallel_ranks_train_the_weights_of_one_process(tmp_path, sing
     7e-8 on the weights). With float64 norms the exchange is exact to 1e-12
     (tests/distributed/test_sequence_parallel.py)."""
     out = tmp_path / engine
-    _train(out, "--nproc", "2", "--engine", engine, "--sp", "2", "--grad-accum", "2", "--steps", "3")
+    _train(out, "--nproc", "2", "--engine", engine, "--sp", "2", "--grad-accum", "2", "--steps", "3", *extra)
     weights = _weights(out / ("checkpoint" if engine == "ddp" else "final"))
     worst = max(((weights[n] - r).norm() / r.norm()).item() for n, r in reference.items())
     assert worst <= 1e-6, worst
@@ -126,7 +127,6 @@ def test_sequence_parallel_ranks_train_the_weights_of_one_process(tmp_path, sing
     (["--sp", "2"], "launch several with --nproc N"),
     (["--nproc", "2", "--engine", "ddp", "--sp", "2", "--seq-len", "63"], "does not split over --sp 2"),
     (["--nproc", "3", "--engine", "ddp", "--sp", "2"], "must divide --nproc 3"),
-    (["--nproc", "2", "--engine", "ddp", "--sp", "2", "--offload"], "not supported yet"),
 ])
 def test_sequence_parallel_settings_that_cannot_run_are_one_line_errors(tmp_path, args, message):
     proc = subprocess.run([sys.executable, "-m", "leanbp", "train", "--steps", "1", *args, "--out", str(tmp_path)],

@@ -112,7 +112,7 @@ def decoder_layers(adapter: DecoderFamily, input_ids=None, inputs_embeds=None, a
     check_layers([adapter.layers()[i] for i in layers])
     heads = None
     if sequence is not None:
-        _check_sequence_parallel(sequence, rope, offload, stats)
+        _check_sequence_parallel(sequence, rope, stats)
         config = adapter.config
         heads = HeadSplit(config.num_attention_heads,
                           getattr(config, "num_key_value_heads", None) or config.num_attention_heads, sequence.size)
@@ -136,10 +136,8 @@ def decoder_layers(adapter: DecoderFamily, input_ids=None, inputs_embeds=None, a
     return DecoderOutput(hidden, stats, rows)
 
 
-def _check_sequence_parallel(sequence: SequenceGroup, rope, offload: bool, stats) -> None:
+def _check_sequence_parallel(sequence: SequenceGroup, rope, stats) -> None:
     """What sequence parallelism does not do yet (every rank raises alike: the same settings)."""
-    if offload:
-        raise NotImplementedError("sequence parallelism with offload=True is not supported yet")
     if stats is not None:
         raise NotImplementedError("sequence parallelism with the load-balancing loss (output_router_logits) is not "
                                   "supported yet")

@@ -92,20 +92,21 @@ class LayerCall:
         return ChunkMasks(start, end, self.key_begin(start), self.window, self.key_keep, device, self.documents,
                           self.attention)
 
-    def local_key_value(self, hidden: torch.Tensor, chunks) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of every local row, (B, Hkv, n, D) each, chunk by chunk without a graph."""
+    def local_key_value(self, rows, chunks) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of every local row, (B, Hkv, n, D) each, chunk by chunk without a graph; ``rows(s, e)``
+        gives the layer input's rows [s, e) on the device."""
         parts = []
         with torch.no_grad(), self.autocast():
             for s, e in chunks:
-                parts.append(self.adapter.key_value(self.layer, hidden[:, s:e], *self.rope.rows(s, e)))
+                parts.append(self.adapter.key_value(self.layer, rows(s, e), *self.rope.rows(s, e)))
         return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
 
-    def exchange(self, hidden: torch.Tensor, chunks, grad: bool) -> Exchange:
-        """The layer's sequence-parallel exchange: every row's K/V for this rank's heads (with the
-        sink of their gradients in backward)."""
-        key, value = gather_kv(self.sequence, self.heads, *self.local_key_value(hidden, chunks))
-        return Exchange(self.sequence, self.heads, key, value, hidden.shape[1],
-                        lambda g0, g1: self.global_masks(g0, g1, hidden.device),
+    def exchange(self, rows, length: int, device: torch.device, chunks, grad: bool) -> Exchange:
+        """The layer's sequence-parallel exchange over its ``length`` local rows: every row's K/V for
+        this rank's heads (with the sink of their gradients in backward)."""
+        key, value = gather_kv(self.sequence, self.heads, *self.local_key_value(rows, chunks))
+        return Exchange(self.sequence, self.heads, key, value, length,
+                        lambda g0, g1: self.global_masks(g0, g1, device),
                         PrefixGradSink(key, value) if grad else None)
 
 
@@ -165,7 +166,7 @@ class StreamedLayerFunction(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor, grad_prob_sum: torch.Tensor | None = None):
         call: LayerCall = ctx.call
         split = current_pass() != FULL  # a pipeline stage's input or weight pass (``_split.py``)
-        if split and (call.sequence is not None or call.offload is not None):
+        if split and (call.sequence is not None or call.offload is not None):  # (Pipeline refuses both)
             raise NotImplementedError("a split backward (pipeline schedule 2bp) with sequence parallelism or offload is "
                                       "not supported yet")
         if call.sequence is not None:
@@ -267,14 +268,34 @@ class StreamedLayerFunction(torch.autograd.Function):
 
 def _sequence_parallel_forward(ctx, hidden: torch.Tensor, call: LayerCall, params) -> torch.Tensor:
     """The layer on this rank's rows: every row's K/V for this rank's heads first (one exchange),
-    then chunk by chunk, every rank on the same chunk index together."""
+    then chunk by chunk, every rank on the same chunk index together. With offload, the input and
+    the output are host tensors, read twice (K/V, then the chunks) and written block by block."""
     chunks = call.chunks(hidden.shape[1])
-    with torch.no_grad():
-        exchange = call.exchange(hidden, chunks, grad=False)
+    if call.offload is not None:
+        reader = call.offload.reader([(hidden, s, e) for s, e in chunks] * 2)
+        out = call.offload.empty(hidden.shape, hidden.dtype)
+
+        def rows(s, e):
+            return reader.take(hidden, s, e)
+
+        def write(s, e, block):
+            call.offload.write(out, s, e, block)
+    else:
         out = torch.empty_like(hidden)  # Memory: the output (B, T/P, H) is the next layer's input
+
+        def rows(s, e):
+            return hidden[:, s:e]
+
+        def write(s, e, block):
+            out[:, s:e] = block
+    device = call.offload.device if call.offload is not None else hidden.device
+    with torch.no_grad():
+        exchange = call.exchange(rows, hidden.shape[1], device, chunks, grad=False)
         for s, e in chunks:
-            out[:, s:e] = call.chunk_out(hidden[:, s:e], None, None, s, e, exchange=exchange).out
+            write(s, e, call.chunk_out(rows(s, e), None, None, s, e, exchange=exchange).out)
     del exchange  # Memory: the gathered K/V live for one layer's forward
+    if call.offload is not None:
+        call.offload.finish()  # out is complete before autograd hands it on
     ctx.save_for_backward(hidden, *params)
     ctx.call = call
     return out
@@ -283,43 +304,75 @@ def _sequence_parallel_forward(ctx, hidden: torch.Tensor, call: LayerCall, param
 def _sequence_parallel_backward(ctx, grad_out: torch.Tensor):
     """Each chunk recomputed and backpropagated through everything but its K/V projections (its
     queries' gradient comes back through the exchange; dK/dV of every row it saw go into the sink);
-    then dK/dV return to the rows' ranks in one exchange and go through the K/V projections."""
+    then dK/dV return to the rows' ranks in one exchange and go through the K/V projections.
+
+    With offload (host input, output gradient and input gradient), the rows are read in the order
+    of those three passes: the input for the exchange's K/V; the input and the output gradient per
+    chunk, last chunk first (the chunk's input gradient written over its output gradient); the input
+    and that partial input gradient per chunk, which the K/V projections complete."""
     call: LayerCall = ctx.call
     hidden, *params = ctx.saved_tensors
-    chunks = call.chunks(hidden.shape[1])
+    T = hidden.shape[1]
+    chunks = call.chunks(T)
     need_input = ctx.needs_input_grad[0]
     trainable = [p for p, need in zip(params, ctx.needs_input_grad[2:]) if need]
     grads = GradSum(trainable)
-    grad_out = grad_out.contiguous()
-    exchange = call.exchange(hidden, chunks, grad=True)
+    store = call.offload
+    if store is not None:
+        grad_out = store.adopt(grad_out)  # (in the store's layout, whoever made it)
+        kv_pass = [(hidden, s, e) for s, e in chunks]
+        chunk_pass = [(t, s, e) for s, e in reversed(chunks) for t in (hidden, grad_out)]
+        # (the partial input gradient lives in grad_out's rows, written by the chunk pass)
+        projection_pass = [(t, s, e) for s, e in chunks for t in ((hidden, grad_out) if need_input else (hidden,))]
+        reader = store.reader(kv_pass + chunk_pass + projection_pass)
+        device = store.device
+
+        def rows(t, s, e):
+            return reader.take(t, s, e)
+
+        def write(t, s, e, block):
+            store.write(t, s, e, block)
+    else:
+        grad_out = grad_out.contiguous()
+        device = hidden.device
+
+        def rows(t, s, e):
+            return t[:, s:e]
+
+        def write(t, s, e, block):
+            t[:, s:e] = block
+    exchange = call.exchange(lambda s, e: rows(hidden, s, e), T, device, chunks, grad=True)
     # Memory: dL/dH_in[s:e] overwrites dL/dH_out[s:e] once chunk [s, e) has read it
     dhidden = grad_out if need_input else None
     for s, e in reversed(chunks):
-        hidden_c = hidden[:, s:e].detach().requires_grad_(need_input)
+        hidden_c = rows(hidden, s, e).detach().requires_grad_(need_input)
+        grad_c = rows(grad_out, s, e)
         with torch.enable_grad(), call.autocast(), call.sdpa():
             out_c = call.chunk_out(hidden_c, None, None, s, e, exchange=exchange).out
         inputs = ([hidden_c] if need_input else []) + trainable
         with call.sdpa():
-            g = list(torch.autograd.grad(out_c, inputs, grad_out[:, s:e], allow_unused=True))
+            g = list(torch.autograd.grad(out_c, inputs, grad_c, allow_unused=True))
         if need_input:
-            dhidden[:, s:e] = g.pop(0)
+            write(dhidden, s, e, g.pop(0))
         grads.add(g)
         del out_c, g
     sink = exchange.sink
     dkey = sink.dkey if sink.dkey is not None else torch.zeros_like(exchange.key)
     dvalue = sink.dvalue if sink.dvalue is not None else torch.zeros_like(exchange.value)
     del exchange, sink
-    dkey, dvalue = scatter_kv_grads(call.sequence, call.heads, dkey, dvalue, hidden.shape[1])  # (B, Hkv, T/P, D)
+    dkey, dvalue = scatter_kv_grads(call.sequence, call.heads, dkey, dvalue, T)  # (B, Hkv, T/P, D)
     for s, e in chunks:  # the K/V projections of the local rows, with what every rank's queries sent
-        rows = hidden[:, s:e].detach().requires_grad_(need_input)
+        hidden_c = rows(hidden, s, e).detach().requires_grad_(need_input)
         with torch.enable_grad(), call.autocast():
-            key_c, value_c = call.adapter.key_value(call.layer, rows, *call.rope.rows(s, e))
-        inputs = ([rows] if need_input else []) + trainable
+            key_c, value_c = call.adapter.key_value(call.layer, hidden_c, *call.rope.rows(s, e))
+        inputs = ([hidden_c] if need_input else []) + trainable
         g = list(torch.autograd.grad([key_c, value_c], inputs, [dkey[:, :, s:e].to(key_c.dtype),
-                                                                  dvalue[:, :, s:e].to(value_c.dtype)],
+                                                                    dvalue[:, :, s:e].to(value_c.dtype)],
                                      allow_unused=True))
         if need_input:
-            dhidden[:, s:e] += g.pop(0)
+            write(dhidden, s, e, rows(dhidden, s, e) + g.pop(0))
         grads.add(g)
+    if store is not None:
+        store.finish()  # dhidden is complete before autograd hands it on
     it = iter(grads.result())
     return (dhidden, None, *[next(it) if need else None for need in ctx.needs_input_grad[2:]])

@@ -58,6 +58,7 @@ from ._work import Work, WorkCounter, quadratic_through
 PLAN_DTYPES = ("bf16", "fp16", "fp32")
 
 OPTIMIZER_STEP = "optimizer step"  # the phase of the optimizer's own step (after backward)
+SEQUENCE_METHODS = ("leanbp", "leanbp_offload")  # the planned methods that split a sequence (sp > 1)
 
 
 @dataclass(frozen=True)
@@ -272,8 +273,9 @@ class Planner:
         probed shallower); each (method, T) is run once."""
         if method not in PLANNED:
             raise ValueError(f"leanbp plan predicts the methods {list(PLANNED)}, not {method!r}")
-        if self.setup.sp > 1 and method != "leanbp":
-            raise ValueError(f"{method} does not split a sequence over GPUs: with sp > 1 the plan is leanbp's")
+        if self.setup.sp > 1 and method not in SEQUENCE_METHODS:
+            raise ValueError(f"{method} does not split a sequence over GPUs: with sp > 1 the plan is leanbp's "
+                             f"({', '.join(SEQUENCE_METHODS)})")
         if T % self.setup.sp:
             raise ValueError(f"T={T} does not split over sp={self.setup.sp} ranks: plan a multiple of it")
         if (method, T) not in self._steps:

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..memory import GiB, MiB
 from ..streaming import METHODS, PLANNED, StreamConfig
 from ._devices import GPUS
-from ._planner import Planner
+from ._planner import SEQUENCE_METHODS, Planner
 from ._setup import Setup
 
 DEFAULT_SEQ_LENS = [4096, 16384, 65536, 131072, 262144, 1048576]
@@ -75,9 +75,10 @@ class PlanRequest:
         bad = [m for m in self.methods if m not in PLANNED]
         if bad or not self.methods:
             raise ValueError(f"methods: {bad or 'none given'}; choose from {list(PLANNED)}")
-        if self.setup.sp > 1 and self.methods != ["leanbp"]:
-            raise ValueError(f"with sequence parallelism (sp {self.setup.sp}) the plan is leanbp's: {self.methods} "
-                             "includes methods that do not split a sequence")
+        if self.setup.sp > 1 and not set(self.methods) <= set(SEQUENCE_METHODS):
+            raise ValueError(f"with sequence parallelism (sp {self.setup.sp}) the plan is leanbp's "
+                             f"({', '.join(SEQUENCE_METHODS)}): {self.methods} includes methods that do not split a "
+                             "sequence")
         bad = [m for m in self.modes if m not in ("backprop", "step")]
         if bad or not self.modes:
             raise ValueError(f"modes: {bad or 'none given'}; choose from backprop, step")

@@ -35,11 +35,13 @@ class SequenceCase:
     documents: bool = False  # packed rows: position ids that restart, no attention mask
     window: int | None = None  # a sliding window (mistral, qwen2)
     objective: str = "lm"
+    offload: bool = False  # the layer boundaries and their gradients in host memory
 
     @property
     def name(self) -> str:
         return "-".join(str(x) for x in (self.family, self.seq_len, self.chunk_size, self.padding,
-                                          "docs" if self.documents else "", self.window or "", self.objective) if x != "")
+                                          "docs" if self.documents else "", self.window or "", self.objective,
+                                          "offload" if self.offload else "") if x != "")
 
 
 def _model(case: SequenceCase):
@@ -110,7 +112,7 @@ def _sequence_parallel(case: SequenceCase):
 
     model = _model(case)
     ids, mask, positions, labels = _batch(case, model.config.vocab_size)
-    stream(model, chunk_size=case.chunk_size, head_chunk_size=3, sequence_parallel=True)
+    stream(model, chunk_size=case.chunk_size, head_chunk_size=3, sequence_parallel=True, offload=case.offload)
     rows = sequence_batch(model, input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels)
     with full_precision_norms(model):
         if case.objective == "lm":

@@ -167,8 +167,6 @@ def _check_sequence_parallel(cfg: "TrainConfig") -> None:
                          "--engine ddp (or fsdp2, zero2, zero3)")
     if cfg.stream is None:
         raise ValueError("--sp runs inside the streamed layers: leave streaming on (no --no-stream)")
-    if cfg.stream.offload:
-        raise ValueError("--sp with --offload is not supported yet")
     if not cfg.stream.layers:
         raise ValueError("--sp splits the streamed layers' rows: it needs StreamConfig(layers=True)")
     if cfg.optimizer != "adamw":
