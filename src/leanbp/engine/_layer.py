@@ -110,6 +110,32 @@ class LayerCall:
                         PrefixGradSink(key, value) if grad else None)
 
 
+def _forward_io(call: LayerCall, hidden: torch.Tensor, reads):
+    """(the output, rows(s, e), write(s, e, block)) of a layer's forward: ``rows`` gives the input's
+    rows on the device and ``write`` puts a chunk's output in place. With offload, hidden and the
+    output are host tensors: rows come to the device in the planned order ``reads`` and each output
+    block goes straight back."""
+    if call.offload is not None:
+        reader = call.offload.reader(reads)
+        out = call.offload.empty(hidden.shape, hidden.dtype)
+
+        def rows(s, e):
+            return reader.take(hidden, s, e)
+
+        def write(s, e, block):
+            call.offload.write(out, s, e, block)
+        return out, rows, write
+    # Memory: the output (B, T, H) is the next layer's input (or the head's)
+    out = torch.empty_like(hidden)
+
+    def rows(s, e):
+        return hidden[:, s:e]
+
+    def write(s, e, block):
+        out[:, s:e] = block
+    return out, rows, write
+
+
 class StreamedLayerFunction(torch.autograd.Function):
     @staticmethod
     @in_phase("layer forward")
@@ -117,24 +143,7 @@ class StreamedLayerFunction(torch.autograd.Function):
         if call.sequence is not None:
             return _sequence_parallel_forward(ctx, hidden, call, params)
         chunks = call.chunks(hidden.shape[1])
-        if call.offload is not None:  # hidden and out are host tensors; chunks move to the device and back
-            reader = call.offload.reader([(hidden, s, e) for s, e in chunks])
-            out = call.offload.empty(hidden.shape, hidden.dtype)
-
-            def rows(s, e):
-                return reader.take(hidden, s, e)
-
-            def write(s, e, block):
-                call.offload.write(out, s, e, block)
-        else:
-            # Memory: the output (B, T, H) is the next layer's input (or the head's)
-            out = torch.empty_like(hidden)
-
-            def rows(s, e):
-                return hidden[:, s:e]
-
-            def write(s, e, block):
-                out[:, s:e] = block
+        out, rows, write = _forward_io(call, hidden, [(hidden, s, e) for s, e in chunks])
         # Memory: the K/V buffers (B, Hkv, T, D) hold every row's K/V because each chunk attends to
         # all rows before it
         key_buf = value_buf = None  # filled chunk by chunk
@@ -271,23 +280,7 @@ def _sequence_parallel_forward(ctx, hidden: torch.Tensor, call: LayerCall, param
     then chunk by chunk, every rank on the same chunk index together. With offload, the input and
     the output are host tensors, read twice (K/V, then the chunks) and written block by block."""
     chunks = call.chunks(hidden.shape[1])
-    if call.offload is not None:
-        reader = call.offload.reader([(hidden, s, e) for s, e in chunks] * 2)
-        out = call.offload.empty(hidden.shape, hidden.dtype)
-
-        def rows(s, e):
-            return reader.take(hidden, s, e)
-
-        def write(s, e, block):
-            call.offload.write(out, s, e, block)
-    else:
-        out = torch.empty_like(hidden)  # Memory: the output (B, T/P, H) is the next layer's input
-
-        def rows(s, e):
-            return hidden[:, s:e]
-
-        def write(s, e, block):
-            out[:, s:e] = block
+    out, rows, write = _forward_io(call, hidden, [(hidden, s, e) for s, e in chunks] * 2)
     device = call.offload.device if call.offload is not None else hidden.device
     with torch.no_grad():
         exchange = call.exchange(rows, hidden.shape[1], device, chunks, grad=False)

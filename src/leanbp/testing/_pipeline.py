@@ -12,12 +12,12 @@ how many backward passes of each kind (full, input, weight) the stage ran.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from ._spawn import spawn_cases
 
 
 @dataclass(frozen=True)
@@ -159,10 +159,4 @@ def _worker(rank: int, world: int, init: str, cases: list[dict], out: str) -> No
 
 def check_pipeline(cases: list[PipelineCase], stages: int = 2) -> list[list[dict]]:
     """Run ``cases`` on ``stages`` spawned processes; returns, per case, every stage's result."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as folder:
-        init = f"file://{os.path.join(folder, 'rendezvous')}"
-        mp.spawn(_worker, args=(stages, init, [asdict(c) for c in cases], folder), nprocs=stages)
-        per_rank = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(stages)]
-    return [list(results) for results in zip(*per_rank)]
+    return spawn_cases(_worker, [asdict(c) for c in cases], stages)

@@ -15,13 +15,13 @@ each row's token log-probs (``token_log_probs``, summed over the group by ``sequ
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from ._spawn import spawn_cases
 
 OBJECTIVES = ("lm", "pairwise")
 
@@ -151,10 +151,4 @@ def _worker(rank: int, world: int, init: str, cases: list[dict], out: str) -> No
 
 def check_sequence_parallel(cases: list[SequenceCase], world: int = 2) -> list[list[dict]]:
     """Run ``cases`` on ``world`` spawned processes; returns, per case, every rank's result."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as folder:
-        init = f"file://{os.path.join(folder, 'rendezvous')}"
-        mp.spawn(_worker, args=(world, init, [asdict(c) for c in cases], folder), nprocs=world)
-        per_rank = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(world)]
-    return [list(results) for results in zip(*per_rank)]
+    return spawn_cases(_worker, [asdict(c) for c in cases], world)
