@@ -11,9 +11,7 @@ how many backward passes of each kind (full, input, weight) the stage ran.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
@@ -128,35 +126,18 @@ def _worst(reference: dict, candidate: dict, floor: float = 1e-2) -> float:
     return worst
 
 
-def _worker(rank: int, world: int, init: str, cases: list[dict], out: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    results = []
-    try:
-        for fields in cases:
-            case = PipelineCase(**fields)
-            try:
-                losses, grads, params, passes = _pipelined(case)
-                ref_losses, ref_grads, reference = _one_process(case)
-                ref_params = dict(reference.named_parameters())
-                missing = sorted(set(ref_grads) & set(params) - set(grads))
-                results.append(dict(
-                    case=case.name, losses=losses, reference_losses=ref_losses, params=len(params), missing=missing,
-                    passes=passes,
-                    worst_grad_error=_worst(ref_grads, {n: g for n, g in grads.items()}),
-                    worst_weight_error=_worst({n: p.detach() for n, p in ref_params.items()},
-                                              {n: p.detach() for n, p in params.items()})))
-            except Exception as e:  # (reported per case)
-                import traceback
-
-                results.append(dict(case=case.name, error=f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
-        dist.destroy_process_group()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+def _run_case(fields: dict) -> dict:
+    case = PipelineCase(**fields)
+    losses, grads, params, passes = _pipelined(case)
+    ref_losses, ref_grads, reference = _one_process(case)
+    ref_params = dict(reference.named_parameters())
+    missing = sorted(set(ref_grads) & set(params) - set(grads))
+    return dict(case=case.name, losses=losses, reference_losses=ref_losses, params=len(params), missing=missing,
+                passes=passes, worst_grad_error=_worst(ref_grads, grads),
+                worst_weight_error=_worst({n: p.detach() for n, p in ref_params.items()},
+                                          {n: p.detach() for n, p in params.items()}))
 
 
 def check_pipeline(cases: list[PipelineCase], stages: int = 2) -> list[list[dict]]:
     """Run ``cases`` on ``stages`` spawned processes; returns, per case, every stage's result."""
-    return spawn_cases(_worker, [asdict(c) for c in cases], stages)
+    return spawn_cases(_run_case, [asdict(c) for c in cases], stages)
