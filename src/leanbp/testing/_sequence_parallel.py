@@ -14,9 +14,7 @@ each row's token log-probs (``token_log_probs``, summed over the group by ``sequ
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
