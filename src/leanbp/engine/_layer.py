@@ -92,19 +92,26 @@ class LayerCall:
         return ChunkMasks(start, end, self.key_begin(start), self.window, self.key_keep, device, self.documents,
                           self.attention)
 
-    def local_key_value(self, rows, chunks) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of every local row, (B, Hkv, n, D) each, chunk by chunk without a graph; ``rows(s, e)``
-        gives the layer input's rows [s, e) on the device."""
-        parts = []
+    def local_key_value(self, rows, chunks) -> list[torch.Tensor]:
+        """[K, V] of every local row, (B, Hkv, n, D) each, chunk by chunk without a graph; ``rows(s, e)``
+        gives the layer input's rows [s, e) on the device. Memory: each chunk's K/V is written into
+        the two results as it comes (a list of the chunks' parts, then a cat, held both at once)."""
+        key = value = None
         with torch.no_grad(), self.autocast():
             for s, e in chunks:
-                parts.append(self.adapter.key_value(self.layer, rows(s, e), *self.rope.rows(s, e)))
-        return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
+                k, v = self.adapter.key_value(self.layer, rows(s, e), *self.rope.rows(s, e))  # (B, Hkv, e - s, D)
+                if key is None:
+                    n = chunks[-1][1]
+                    key = k.new_empty(k.shape[0], k.shape[1], n, k.shape[3])
+                    value = v.new_empty(v.shape[0], v.shape[1], n, v.shape[3])
+                key[:, :, s:e], value[:, :, s:e] = k, v
+                del k, v
+        return [key, value]
 
     def exchange(self, rows, length: int, device: torch.device, chunks, grad: bool) -> Exchange:
         """The layer's sequence-parallel exchange over its ``length`` local rows: every row's K/V for
         this rank's heads (with the sink of their gradients in backward)."""
-        key, value = gather_kv(self.sequence, self.heads, *self.local_key_value(rows, chunks))
+        key, value = gather_kv(self.sequence, self.heads, self.local_key_value(rows, chunks))
         return Exchange(self.sequence, self.heads, key, value, length,
                         lambda g0, g1: self.global_masks(g0, g1, device),
                         PrefixGradSink(key, value) if grad else None)
@@ -350,10 +357,10 @@ def _sequence_parallel_backward(ctx, grad_out: torch.Tensor):
         grads.add(g)
         del out_c, g
     sink = exchange.sink
-    dkey = sink.dkey if sink.dkey is not None else torch.zeros_like(exchange.key)
-    dvalue = sink.dvalue if sink.dvalue is not None else torch.zeros_like(exchange.value)
-    del exchange, sink
-    dkey, dvalue = scatter_kv_grads(call.sequence, call.heads, dkey, dvalue, T)  # (B, Hkv, T/P, D)
+    all_rows = [sink.dkey if sink.dkey is not None else torch.zeros_like(exchange.key),
+                sink.dvalue if sink.dvalue is not None else torch.zeros_like(exchange.value)]
+    del exchange, sink  # Memory: the gathered K/V and the sink's references go before the exchange
+    dkey, dvalue = scatter_kv_grads(call.sequence, call.heads, all_rows, T)  # (B, Hkv, T/P, D); empties all_rows
     for s, e in chunks:  # the K/V projections of the local rows, with what every rank's queries sent
         hidden_c = rows(hidden, s, e).detach().requires_grad_(need_input)
         with torch.enable_grad(), call.autocast():

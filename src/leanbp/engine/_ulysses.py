@@ -121,29 +121,45 @@ class HeadSplit:
         return slice(head, head + 1)
 
 
-def gather_kv(sp: SequenceGroup, heads: HeadSplit, key: torch.Tensor, value: torch.Tensor):
-    """Local K/V (B, Hkv, T/P, D) -> K/V of every row for this rank's heads, (B, Hkv/P, T, D)."""
+def gather_kv(sp: SequenceGroup, heads: HeadSplit, local: list) -> list[torch.Tensor]:
+    """Local ``[key, value]`` (B, Hkv, T/P, D) each -> K/V of every row for this rank's heads,
+    (B, Hkv/P, T, D) each. Memory: ``local`` is emptied, each tensor dropped once its send buffer
+    is made, and each send buffer once it is sent (the caller keeps no other reference)."""
     out = []
-    for x in (key, value):
+    while local:
+        x = local.pop(0)
         B, _, n, D = x.shape
         send = torch.stack([x[:, heads.kv_of(p)] for p in range(sp.size)])  # (P, B, Hkv/P, T/P, D)
+        del x
         recv = sp.exchange(send)  # [q]: rank q's rows
-        out.append(recv.permute(1, 2, 0, 3, 4).reshape(B, heads.kv_per_rank, sp.size * n, D))
+        del send
+        out.append(recv.permute(1, 2, 0, 3, 4).reshape(B, heads.kv_per_rank, sp.size * n, D))  # (a view when B = 1 and Hkv/P = 1)
+        del recv
     return out
 
 
-def scatter_kv_grads(sp: SequenceGroup, heads: HeadSplit, dkey: torch.Tensor, dvalue: torch.Tensor, local_rows: int):
-    """dK/dV of every row for this rank's heads (B, Hkv/P, T, D) -> dK/dV of the local rows for all
-    heads (B, Hkv, T/P, D), summed over the ranks that share a replicated head."""
+def scatter_kv_grads(sp: SequenceGroup, heads: HeadSplit, grads: list, local_rows: int):
+    """dK/dV of every row for this rank's heads, ``grads = [dkey, dvalue]`` (B, Hkv/P, T, D) each ->
+    dK/dV of the local rows for all heads (B, Hkv, T/P, D), summed over the ranks that share a
+    replicated head. Memory: ``grads`` is emptied, each tensor dropped once it is sent (the caller
+    keeps no other reference), so the step holds at most one all-rows gradient beside what came
+    back, never both with their copies."""
     out = []
-    for d in (dkey, dvalue):
+    while grads:
+        d = grads.pop(0)
         B, h, _, D = d.shape
         send = d.view(B, h, sp.size, local_rows, D).permute(2, 0, 1, 3, 4)  # (P, B, Hkv/P, T/P, D): [q] = rank q's rows
-        recv = sp.exchange(send)  # [p]: my rows, rank p's heads
-        full = d.new_zeros(B, heads.kv_heads, local_rows, D)
-        for p in range(sp.size):
-            full[:, heads.kv_of(p)] += recv[p]
-        out.append(full)
+        del d
+        recv = sp.exchange(send)  # [p]: my rows, rank p's heads, (P, B, Hkv/P, T/P, D)
+        del send
+        if heads.kv_heads >= sp.size:  # (each K/V head on one rank: rank p's block is heads kv_of(p), in order)
+            out.append(recv.transpose(0, 1).reshape(B, heads.kv_heads, local_rows, D))  # (a view when B = 1)
+        else:
+            full = recv.new_zeros(B, heads.kv_heads, local_rows, D)
+            for p in range(sp.size):
+                full[:, heads.kv_of(p)] += recv[p]
+            out.append(full)
+        del recv
     return out
 
 
@@ -256,11 +272,11 @@ def sum_over_group(t: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
 def shift_labels_across(sp: SequenceGroup, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """This rank's rows of the whole sequence's shifted labels: row t is scored against label t + 1,
     also where t + 1 lies on the next rank; the sequence's last row against nothing (``ignore_index``).
-    Costs one all-gather of the (B, T) labels (8 bytes a token)."""
-    n = labels.shape[1]
-    whole = sp.all_gather_rows(labels)
-    shifted = torch.cat([whole[:, 1:], whole.new_full((whole.shape[0], 1), ignore_index)], dim=1)
-    return shifted[:, sp.offset(n): sp.offset(n) + n]
+    Memory: only each rank's first label is gathered, (B, P), not the (B, T) labels."""
+    firsts = sp.all_gather_rows(labels[:, :1])  # (B, P): rank q's first label at [:, q]
+    after = firsts[:, sp.rank + 1: sp.rank + 2] if sp.rank + 1 < sp.size else \
+        labels.new_full((labels.shape[0], 1), ignore_index)  # (B, 1): the label after this rank's last row
+    return torch.cat([labels[:, 1:], after], dim=1)
 
 
 def reduce_gradients(parameters, group=None) -> None:
