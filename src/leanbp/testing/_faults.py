@@ -74,11 +74,23 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"  # (a zombie has ended; its parent has not reaped it yet)
 
 
+def _children(pid: int) -> list[int]:
+    """The processes ``pid`` started itself (depth one)."""
+    found = []
+    for child in descendants(pid):
+        try:
+            if int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(child)
+        except (OSError, ValueError):  # (ended meanwhile)
+            pass
+    return found
+
+
 def _ranks(launcher: int) -> list[int]:
-    """The ranks of a ``--nproc`` launch: the children of torchrun's agent, the launcher's child."""
-    return [pid for agent in descendants(launcher) for pid in descendants(agent)
-            if Path(f"/proc/{pid}/stat").exists() and int(Path(f"/proc/{pid}/stat").read_text()
-                                                           .rsplit(")", 1)[1].split()[1]) == agent]
+    """The ranks of a ``--nproc`` launch: the children of torchrun's agent, the launcher's child
+    (not what a rank starts itself, such as torch.compile's worker processes: killing one of those
+    ends no launch)."""
+    return [rank for agent in _children(launcher) for rank in _children(agent)]
 
 
 def _written_after(out: Path, moment: float) -> list[str]:

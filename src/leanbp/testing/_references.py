@@ -80,7 +80,8 @@ def _register_exact_eager() -> None:
 def full_precision_norms(*models: nn.Module):
     """``patch_full_precision_norms`` for the duration of the block; models on the eager attention
     path (its softmax is float32) run ``_exact_eager_attention`` meanwhile."""
-    patched = [norm for model in models for norm in patch_full_precision_norms(model)]
+    # (one norm once: a trainer's reference model may share modules with its model)
+    patched = list({id(norm): norm for model in models for norm in patch_full_precision_norms(model)}.values())
     eager = [m for m in models if getattr(getattr(m, "config", None), "_attn_implementation", None) == "eager"]
     if eager:
         _register_exact_eager()
@@ -90,7 +91,8 @@ def full_precision_norms(*models: nn.Module):
         yield
     finally:
         for module in patched:
-            del module.forward
+            if "forward" in vars(module):  # (a trainer may have put its own forward in place meanwhile)
+                del module.forward
         for model in eager:
             model.config._attn_implementation = "eager"
 
