@@ -94,8 +94,8 @@ class LayerCall:
 
     def local_key_value(self, rows, chunks) -> list[torch.Tensor]:
         """[K, V] of every local row, (B, Hkv, n, D) each, chunk by chunk without a graph; ``rows(s, e)``
-        gives the layer input's rows [s, e) on the device. Memory: each chunk's K/V is written into
-        the two results as it comes (a list of the chunks' parts, then a cat, held both at once)."""
+        gives the layer input's rows [s, e) on the device. Memory: each chunk's K/V goes into the two
+        results as it comes (a list of the chunks' parts and then a cat would hold both at once)."""
         key = value = None
         with torch.no_grad(), self.autocast():
             for s, e in chunks:

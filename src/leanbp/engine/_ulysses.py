@@ -133,7 +133,8 @@ def gather_kv(sp: SequenceGroup, heads: HeadSplit, local: list) -> list[torch.Te
         del x
         recv = sp.exchange(send)  # [q]: rank q's rows
         del send
-        out.append(recv.permute(1, 2, 0, 3, 4).reshape(B, heads.kv_per_rank, sp.size * n, D))  # (a view when B = 1 and Hkv/P = 1)
+        # (B, Hkv/P, T, D): a view of recv when B = 1 and Hkv/P = 1
+        out.append(recv.permute(1, 2, 0, 3, 4).reshape(B, heads.kv_per_rank, sp.size * n, D))
         del recv
     return out
 

@@ -88,8 +88,7 @@ def _children(pid: int) -> list[int]:
 
 def _ranks(launcher: int) -> list[int]:
     """The ranks of a ``--nproc`` launch: the children of torchrun's agent, the launcher's child
-    (not what a rank starts itself, such as torch.compile's worker processes: killing one of those
-    ends no launch)."""
+    only (not a process a rank starts itself: killing one of those ends no launch)."""
     return [rank for agent in _children(launcher) for rank in _children(agent)]
 
 

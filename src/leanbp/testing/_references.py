@@ -80,8 +80,7 @@ def _register_exact_eager() -> None:
 def full_precision_norms(*models: nn.Module):
     """``patch_full_precision_norms`` for the duration of the block; models on the eager attention
     path (its softmax is float32) run ``_exact_eager_attention`` meanwhile."""
-    # (one norm once: a trainer's reference model may share modules with its model)
-    patched = list({id(norm): norm for model in models for norm in patch_full_precision_norms(model)}.values())
+    patched = [norm for model in models for norm in patch_full_precision_norms(model)]
     eager = [m for m in models if getattr(getattr(m, "config", None), "_attn_implementation", None) == "eager"]
     if eager:
         _register_exact_eager()
@@ -91,7 +90,7 @@ def full_precision_norms(*models: nn.Module):
         yield
     finally:
         for module in patched:
-            if "forward" in vars(module):  # (a trainer may have put its own forward in place meanwhile)
+            if "forward" in vars(module):  # (TRL's GRPO run with transformers 5.25 can leave it gone by now)
                 del module.forward
         for model in eager:
             model.config._attn_implementation = "eager"
