@@ -1,25 +1,17 @@
 """What the sequence-parallel exchanges hold at their peak: each all-rows or local K/V tensor goes
-as soon as its send buffer exists, and each send buffer as soon as it is sent. The group is a
-stand-in whose all-to-all allocates its result as the real one does (values are not the point here:
+as soon as its send buffer exists, and each send buffer as soon as it is sent. The group is the
+planner's stand-in, whose all-to-all allocates its result as the real one does (values are not the point here:
 tests/distributed/test_sequence_parallel.py checks them on real gloo groups)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import pytest
 import torch
 from torch import nn
 
-from leanbp.engine._ulysses import HeadSplit, SequenceGroup, gather_kv, scatter_kv_grads
+from leanbp.engine._ulysses import HeadSplit, gather_kv, scatter_kv_grads
 from leanbp.memory import track
-
-
-@dataclass(frozen=True)
-class _AllocatingGroup(SequenceGroup):
-    def exchange(self, send: torch.Tensor) -> torch.Tensor:
-        send = send.contiguous()
-        return torch.empty_like(send)
+from leanbp.plan._planner import PlannedSequenceGroup
 
 
 def _peak(fn) -> tuple[int, list]:
@@ -31,7 +23,7 @@ def _peak(fn) -> tuple[int, list]:
 @pytest.mark.parametrize("kv_heads", [2, 4])  # one K/V head per rank (views), two (copies)
 def test_gathering_kv_holds_three_tensors_of_their_size_at_most(kv_heads):
     P, B, n, D = 2, 1, 64, 8
-    group, heads = _AllocatingGroup(None, 0, P), HeadSplit(4, kv_heads, P)
+    group, heads = PlannedSequenceGroup(size=P), HeadSplit(4, kv_heads, P)
     one = B * kv_heads * n * D * 4  # bytes of one local K (float32); a send or receive buffer is as large
 
     def run():
@@ -48,7 +40,7 @@ def test_gathering_kv_holds_three_tensors_of_their_size_at_most(kv_heads):
 @pytest.mark.parametrize("kv_heads", [2, 4, 1])  # views; copies; a K/V head replicated on both ranks
 def test_scattering_kv_gradients_holds_three_tensors_of_their_size_at_most(kv_heads):
     P, B, n, D = 2, 1, 64, 8
-    group, heads = _AllocatingGroup(None, 0, P), HeadSplit(4, kv_heads, P)
+    group, heads = PlannedSequenceGroup(size=P), HeadSplit(4, kv_heads, P)
     per_rank = heads.kv_per_rank
     one = B * per_rank * P * n * D * 4  # bytes of one all-rows gradient (float32)
 
@@ -63,7 +55,7 @@ def test_scattering_kv_gradients_holds_three_tensors_of_their_size_at_most(kv_he
 
 
 def test_the_exchanges_empty_the_lists_they_are_given():
-    group, heads = _AllocatingGroup(None, 0, 2), HeadSplit(4, 2, 2)
+    group, heads = PlannedSequenceGroup(size=2), HeadSplit(4, 2, 2)
     local = [torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4)]
     gather_kv(group, heads, local)
     grads = [torch.zeros(1, 1, 16, 4), torch.zeros(1, 1, 16, 4)]

@@ -93,9 +93,10 @@ class LayerCall:
                           self.attention)
 
     def local_key_value(self, rows, chunks) -> list[torch.Tensor]:
-        """[K, V] of every local row, (B, Hkv, n, D) each, chunk by chunk without a graph; ``rows(s, e)``
-        gives the layer input's rows [s, e) on the device. Memory: each chunk's K/V goes into the two
-        results as it comes (a list of the chunks' parts and then a cat would hold both at once)."""
+        """[K, V] of the rows ``chunks`` cover (from row 0), (B, Hkv, n, D) each, chunk by chunk without a
+        graph ([None, None] for no chunks); ``rows(s, e)`` gives the layer input's rows [s, e) on the
+        device. Memory: only one chunk's projection temporaries exist at a time, each written into the
+        two results as it comes (a list of the chunks' parts and then a cat would hold both at once)."""
         key = value = None
         with torch.no_grad(), self.autocast():
             for s, e in chunks:
@@ -213,19 +214,9 @@ class StreamedLayerFunction(torch.autograd.Function):
             return (None, None, *[None] * len(params))
         grads = GradSum(trainable)
 
-        # Prefix K/V for every chunk, computed once without a graph, chunk by chunk (the last chunk's
-        # own rows are never a prefix, so they are skipped). Memory: only one chunk's projection
-        # temporaries exist at a time; the (B, Hkv, P, D) buffers are what the chunks attend to.
-        prefix_rows = chunks[-1][0]
-        key = value = None
-        for s, e in chunks[:-1]:
-            with torch.no_grad(), call.autocast():
-                key_b, value_b = call.adapter.key_value(call.layer, rows(s, e), *call.rope.rows(s, e))
-            if key is None:
-                key = key_b.new_empty((*key_b.shape[:2], prefix_rows, key_b.shape[3]))
-                value = value_b.new_empty((*value_b.shape[:2], prefix_rows, value_b.shape[3]))
-            key[:, :, s:e], value[:, :, s:e] = key_b, value_b
-            del key_b, value_b
+        # Prefix K/V for every chunk, computed once without a graph (the last chunk's own rows are
+        # never a prefix, so they are skipped); the (B, Hkv, P, D) buffers are what the chunks attend to
+        key, value = call.local_key_value(rows, chunks[:-1])
         # dL/dK, dL/dV that chunks send to the rows before them
         sink = PrefixGradSink(key, value) if key is not None else None
         # Memory: dL/dH_in[s:e] overwrites dL/dH_out[s:e], which chunk [s, e) was the last to read,

@@ -48,8 +48,8 @@ class FaultReport:
     launcher_exits: list[tuple[float, int]] = field(default_factory=list)  # (s after a rank's kill, exit code)
 
 
-def descendants(pid: int) -> list[int]:
-    """The processes started by ``pid``, at any depth (Linux: read from /proc)."""
+def _child_map() -> dict[int, list[int]]:
+    """Every process's children, read once from /proc (Linux)."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -58,6 +58,12 @@ def descendants(pid: int) -> list[int]:
             continue
         parent = int(text.rsplit(")", 1)[1].split()[1])  # (the command in parentheses may hold spaces)
         children.setdefault(parent, []).append(int(stat.parent.name))
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes started by ``pid``, at any depth (Linux: read from /proc)."""
+    children = _child_map()
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -74,22 +80,11 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"  # (a zombie has ended; its parent has not reaped it yet)
 
 
-def _children(pid: int) -> list[int]:
-    """The processes ``pid`` started itself (depth one)."""
-    found = []
-    for child in descendants(pid):
-        try:
-            if int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(child)
-        except (OSError, ValueError):  # (ended meanwhile)
-            pass
-    return found
-
-
 def _ranks(launcher: int) -> list[int]:
     """The ranks of a ``--nproc`` launch: the children of torchrun's agent, the launcher's child
     only (not a process a rank starts itself: killing one of those ends no launch)."""
-    return [rank for agent in _children(launcher) for rank in _children(agent)]
+    children = _child_map()
+    return [rank for agent in children.get(launcher, []) for rank in children.get(agent, [])]
 
 
 def _written_after(out: Path, moment: float) -> list[str]:
