@@ -10,15 +10,15 @@ import torch
 import torch.nn.functional as F
 
 import leanbp
-from leanbp.approx import (InvertedActivation, approx, derivative_error, inverse_table, inverted_activation,
+from leanbp.approx import (InvertedActivation, approx, derivative_error, inverse_fit, inverted_activation,
                            inverted_saved_bytes, unapprox)
 from leanbp.approx._inverted import FUNCTIONS, pack_bits, unpack_bits
 from conftest import tiny_model
 from _helpers import make_batch
 
-# the largest derivative error each function may have on fp32 inputs (measured 1.2e-4, 2.5e-4,
-# 1.1e-4); the method's paper reports about 2.9e-3 for SiLU and 1.9e-2 for GELU
-FP32_BOUND = {"silu": 1.5e-4, "gelu": 3e-4, "gelu_pytorch_tanh": 1.5e-4}
+# the largest derivative error each function may have on fp32 inputs (measured 1.0e-4, 1.8e-4,
+# 2.5e-4); the method's paper reports about 2.9e-3 for SiLU and 1.9e-2 for GELU
+FP32_BOUND = {"silu": 1.5e-4, "gelu": 2.5e-4, "gelu_pytorch_tanh": 3e-4}
 PAPER = {"silu": 2.9e-3, "gelu": 1.9e-2, "gelu_pytorch_tanh": 1.9e-2}
 
 
@@ -27,13 +27,13 @@ def test_the_derivative_error_is_bounded_over_the_whole_input_range(kind):
     error, _ = derivative_error(kind, torch.float32, samples=400_001)  # every 1.5e-4 of [-30, 30]
     assert error <= FP32_BOUND[kind] < PAPER[kind]
     bf16, where = derivative_error(kind, torch.bfloat16, samples=400_001)
-    assert bf16 <= 2e-2 and abs(where - inverse_table(kind).x_min) < 0.6  # (bf16 outputs: near the minimum)
+    assert bf16 <= 2e-2 and abs(where - inverse_fit(kind).x_min) < 0.6  # (bf16 outputs: near the minimum)
 
 
 @pytest.mark.parametrize("kind", list(FUNCTIONS))
-def test_the_table_knows_the_minimum_and_both_sides(kind):
-    table = inverse_table(kind)
-    x = torch.tensor([table.x_min - 2.0, table.x_min, table.x_min + 2.0], dtype=torch.float64, requires_grad=True)
+def test_the_fit_knows_the_minimum_and_both_sides(kind):
+    fit = inverse_fit(kind)
+    x = torch.tensor([fit.x_min - 2.0, fit.x_min, fit.x_min + 2.0], dtype=torch.float64, requires_grad=True)
     FUNCTIONS[kind](x).sum().backward()
     assert abs(x.grad[1]) < 1e-9 and x.grad[0] < 0 < x.grad[2]  # f' = 0 at x*, < 0 left of it, > 0 right
     x2 = x.detach().clone().requires_grad_()
@@ -47,7 +47,8 @@ def test_bits_pack_eight_per_byte(n):
     packed = pack_bits(bits)
     assert packed.dtype == torch.uint8 and packed.numel() == inverted_saved_bytes(n) == -(-n // 8)
     assert torch.equal(unpack_bits(packed, n).bool(), bits)
-    assert pack_bits(torch.tensor([True, False, True] + [False] * 5 + [True])).tolist() == [0b101, 1]
+    # in planes: 9 elements, 2 bytes; byte 0 holds elements 0, 2, 4, 6, 8 at bits 0..4, byte 1 the odd ones
+    assert pack_bits(torch.tensor([True, False, True] + [False] * 5 + [True])).tolist() == [0b10011, 0]
 
 
 def test_the_reference_gives_the_same_bits_and_gradients_in_blocks(monkeypatch):

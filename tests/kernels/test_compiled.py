@@ -12,27 +12,39 @@ import torch
 from leanbp.approx import inverted_activation
 from leanbp.approx import _activations as act_ref
 from leanbp.approx import _inverted as ref
+from leanbp import kernels
 from leanbp.kernels import _compiled
 
 
 @pytest.mark.parametrize("kind", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_cpu_kernels_match_the_reference(kind, dtype):
-    x = (torch.randn(3, 7, 41) * 4).to(dtype)  # 861 elements: the last byte half full
+    x = (torch.randn(3, 8, 41) * 4).to(dtype)  # 984 elements: 8 planes of 123
     t = ref.side_threshold(kind, dtype)
     x.view(-1)[:3] = torch.tensor([t, t, float("nan")], dtype=dtype)
     x.view(-1)[1] = torch.nextafter(x.view(-1)[1], torch.tensor(-10.0, dtype=dtype))
     y_ref, packed_ref = ref.inverted_forward(kind, x)
-    packed = _compiled.run(_compiled.side_bits, x, t)
+    packed = kernels.compiled_side_bits(x, t)
     assert packed is not None and torch.equal(packed, packed_ref)  # the same side bits, bit for bit
     g = torch.randn(x.shape).to(dtype)
-    table = ref.inverse_table(kind)
-    values, slopes = table.on(x.device, torch.float32)
-    got = _compiled.run(_compiled.inverted_backward, g, y_ref, packed, values, slopes, table.y_min, 1 / table.step,
-                        table.points)
+    got = kernels.compiled_inverted_backward(g, y_ref, packed, ref.inverse_fit(kind))
     want = ref.inverted_backward(kind, g, y_ref, packed_ref)
-    rtol = 1e-5 if dtype == torch.float32 else 2 ** -7  # (the same table entries; fused fp32 rounding)
+    assert got.shape == want.shape == x.shape and torch.isnan(got.view(-1)[2])
+    rtol = 1e-5 if dtype == torch.float32 else 2 ** -7  # (the same series; fused fp32 rounding)
     torch.testing.assert_close(got, want, rtol=rtol, atol=1e-6, equal_nan=True)
+
+
+def test_sizes_that_are_not_whole_planes_take_the_reference():
+    x, g = torch.randn(3, 7, 41), torch.randn(3, 7, 41)  # 861 elements: not a multiple of 8
+    _, packed = ref.inverted_forward("silu", x)
+    assert kernels.compiled_side_bits(x, 0.0) is None
+    assert kernels.compiled_inverted_backward(g, x, packed, ref.inverse_fit("silu")) is None
+    x.requires_grad_()
+    y = inverted_activation(x, "silu")
+    y.backward(g)
+    torch.testing.assert_close(y, torch.nn.functional.silu(x), rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, ref.inverted_backward("silu", g, *ref.inverted_forward("silu", x.detach())),
+                               rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kind,consts", [("gelu", act_ref.REGELU2), ("silu", act_ref.RESILU2)])

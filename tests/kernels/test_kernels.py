@@ -40,15 +40,15 @@ def test_inverted_activation_kernels_match_reference(kind, n, dtype):
     t = inv_ref.side_threshold(kind, dtype)
     x[:3] = torch.tensor([t, t, t], dtype=dtype)  # the threshold itself, and its neighbours
     x[1], x[2] = torch.nextafter(x[1], torch.tensor(-10.0, dtype=dtype)), torch.nextafter(x[2], torch.tensor(10.0, dtype=dtype))
-    x[3:5] = torch.tensor([float("nan"), 40.0])  # (a NaN stays NaN; above the table: its last entry)
+    x[3:5] = torch.tensor([float("nan"), 40.0])  # (a NaN stays NaN; far right: f' held at 1)
     y, packed = _inverted_act.inverted_forward(kind, x, t)
     y_ref, packed_ref = inv_ref.inverted_forward(kind, x)
     assert torch.equal(packed, packed_ref)  # the same side bits, bit for bit
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol, equal_nan=True)
     g = torch.randn(n).to(dtype)
-    # from the same saved output: the same table entries, the fraction within fp32 rounding
-    got = _inverted_act.inverted_backward(g, y_ref, packed_ref, inv_ref.inverse_table(kind))
+    # from the same saved output: the same series, within fp32 rounding
+    got = _inverted_act.inverted_backward(g, y_ref, packed_ref, inv_ref.inverse_fit(kind))
     want = inv_ref.inverted_backward(kind, g, y_ref, packed_ref)
     rtol = 1e-5 if dtype == torch.float32 else 2 ** -7
     torch.testing.assert_close(got, want, rtol=rtol, atol=1e-6, equal_nan=True)

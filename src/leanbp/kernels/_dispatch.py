@@ -47,10 +47,10 @@ def inverted_forward(kind: str, x: torch.Tensor, x_min: float):
     return kernel(kind, x, x_min)
 
 
-def inverted_backward(grad_out: torch.Tensor, y: torch.Tensor, packed: torch.Tensor, table):
+def inverted_backward(grad_out: torch.Tensor, y: torch.Tensor, packed: torch.Tensor, fit):
     from ._inverted_act import inverted_backward as kernel
 
-    return kernel(grad_out, y, packed, table)
+    return kernel(grad_out, y, packed, fit)
 
 
 def use_compiled(x: torch.Tensor) -> bool:
@@ -63,17 +63,22 @@ def use_compiled(x: torch.Tensor) -> bool:
 
 def compiled_side_bits(x: torch.Tensor, threshold: float):
     """The packed side bits of an inverted activation from the fused CPU kernel, or None where it
-    cannot be compiled (the caller runs the reference)."""
+    cannot be compiled or N is not a multiple of 8 (the caller runs the reference: the kernel sees
+    the 8 bit planes as one (8, N/8) view)."""
     from ._compiled import run, side_bits
 
-    return run(side_bits, x, threshold)
+    return run(side_bits, x, threshold) if x.numel() % 8 == 0 else None
 
 
-def compiled_inverted_backward(grad_out: torch.Tensor, y: torch.Tensor, packed: torch.Tensor, table):
+def compiled_inverted_backward(grad_out: torch.Tensor, y: torch.Tensor, packed: torch.Tensor, fit):
+    """``fit``: the reference's ``InverseFit``; None as for ``compiled_side_bits``."""
     from ._compiled import inverted_backward, run
 
-    values, slopes = table.on(y.device, torch.float32)
-    return run(inverted_backward, grad_out, y, packed, values, slopes, table.y_min, 1.0 / table.step, table.points)
+    if y.numel() % 8:
+        return None
+    right, left = fit.on(y.device, torch.float32)
+    dx = run(inverted_backward, grad_out, y, packed, right, left, fit.y_min, fit.u_right, fit.u_left)
+    return None if dx is None else dx.view(grad_out.shape)
 
 
 def compiled_two_bit_codes(x: torch.Tensor, thresholds):
