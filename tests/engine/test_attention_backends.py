@@ -48,6 +48,30 @@ def test_cpu_flash_matches_the_reference_forward_and_backward(causal, padded):
         torch.testing.assert_close(got, want, **TOL)
 
 
+@pytest.mark.parametrize("Hq,Hkv,c,causal,padded,folds", [
+    (4, 2, 9, False, False, True),      # a prefix block of grouped heads: one head of 2 x 9 rows
+    (4, 1, 9, False, False, True),      # one K/V head for all four
+    (4, 2, 9, True, False, False),      # a causal block: the mask follows each row's position
+    (4, 2, 9, False, True, False),      # a bias is per row and key
+    (4, 4, 9, False, False, False),     # no grouping
+    (4, 2, 768, False, False, False),   # long enough for the kernel's large query blocks
+])
+def test_cpu_flash_folds_grouped_query_heads_only_where_it_is_the_same_attention(Hq, Hkv, c, causal, padded, folds):
+    q, k, v = _block(B=2, Hq=Hq, Hkv=Hkv, c=c, k=c if causal else 13)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # the projections' (B, c, H, D) memory
+    bias = _padding_bias(2, k.shape[2]) if padded else None
+    assert CPU_FLASH._folds(q, k, causal, bias) is folds
+    out, lse = CPU_FLASH.forward(q, k, v, causal, bias, 0.3)
+    out_ref, lse_ref = MATH.forward(q, k, v, causal, bias, 0.3)
+    torch.testing.assert_close(out, out_ref, **TOL)
+    torch.testing.assert_close(lse, lse_ref, **TOL)
+    dout = torch.randn_like(out)
+    for got, want in zip(CPU_FLASH.backward(dout, q, k, v, out, lse, causal, bias, 0.3),
+                         MATH.backward(dout, q, k, v, out, lse, causal, bias, 0.3)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, **TOL)
+
+
 def test_reference_backward_is_the_gradient_of_its_forward():
     q, k, v = _block(c=7, k=11)
     bias = _padding_bias(2, 11)

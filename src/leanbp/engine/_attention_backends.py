@@ -91,21 +91,48 @@ class MathAttention:
 
 
 class CpuFlashAttention:
-    """PyTorch's fused CPU flash kernel: no score matrix; grouped heads without repeating K/V."""
+    """PyTorch's fused CPU flash kernel: no score matrix; grouped heads without repeating K/V.
+
+    Speed: the kernel picks its block of queries by the query length, and a short one costs more
+    per row: against 8192 keys (8 query / 4 K/V heads, head dim 64, fp32, 2 cores) 134 us per row
+    at 767 rows, 107 us at 768 and more. A chunk's block of prefix keys (no causal mask, no bias)
+    is the same attention for every query row, so below ``fold_below_rows`` the query heads that
+    share a K/V head go to the kernel as one head of group x c rows, (B, Hq, c, D) as (B, Hkv,
+    group * c, D): at 512-row chunks this made the prefix forward 24% and its backward 10-25% faster,
+    the same values (forward bit for bit; dK/dV summed over the group in another order)."""
 
     name = "cpu_flash"
+    fold_below_rows = 768
 
     def key_block_rows(self, q, kv_heads, biased):
         return None  # any number of keys per call, grouped heads natively
 
+    def _folds(self, q, k, causal, bias) -> bool:
+        # (a causal block's mask follows each row's position, which the fold would move)
+        return not causal and bias is None and q.shape[1] > k.shape[1] and q.shape[2] < self.fold_below_rows
+
+    @staticmethod
+    def _fold(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        """(B, Hq, c[, D]) -> (B, Hkv, group * c[, D]): query head h serves K/V head h // group."""
+        return x.reshape(x.shape[0], kv_heads, -1, *x.shape[3:])
+
     def forward(self, q, k, v, causal, bias, scale):
+        folds = self._folds(q, k, causal, bias)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+            self._fold(q, k.shape[1]) if folds else q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+        if folds:
+            out, lse = out.reshape(q.shape), lse.reshape(q.shape[:3])
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, causal, bias, scale):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
+        if not self._folds(q, k, causal, bias):
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
+        heads = k.shape[1]
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            self._fold(dout, heads), self._fold(q, heads), k, v, self._fold(out, heads), self._fold(lse, heads),
+            0.0, False, scale=scale)
+        return dq.reshape(q.shape), dk, dv
 
 
 # The kernels' rules that the glue below must meet (PyTorch 2.13; tests/_cuda_ops.py cites the source
