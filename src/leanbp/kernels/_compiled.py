@@ -4,9 +4,9 @@ the elements).
 
 The PyTorch reference in ``leanbp.approx._inverted`` runs dozens of whole-block passes per backward
 (a copy, the square root, the unpacking, each step of the series), each of which reads and writes
-every element. Fused into one loop, the backward of 11M bf16 elements takes about 20 ms here (AMD
-EPYC, 2 cores) against 5 ms for the exact SiLU backward, and the side bits about 1 ms beside the
-SiLU's 4 ms. The reference stays the oracle (the tests compare the
+every element. Fused into one loop, the backward of 11.3M bf16 elements takes about 12 ms here (AMD
+EPYC, 2 cores) against 4.3 ms for the exact SiLU backward, and the side bits 1.3 ms beside the
+SiLU's 4-9 ms. The reference stays the oracle (the tests compare the
 two) and the fallback: where no C++ compiler is found, or ``LEANBP_COMPILE=0``, or for float64
 (exactness checks keep the reference), the reference runs. The first call in a process compiles
 (seconds; inductor caches the code on disk for later processes).
