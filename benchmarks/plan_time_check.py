@@ -10,7 +10,8 @@ For each (method, T) the planner runs the fake step at that T and counts its wor
 its products and attention kernels, the bytes of its other ops: `leanbp.plan.WorkCounter`); with
 `--real` the same counter also runs over a real step of the bench model, and the two FLOP counts are
 compared. The prediction is FLOPs / matmul rate + bytes / bandwidth (`leanbp.plan.step_time` with
-the measured CPU as the device). Writes time_check.csv / time_check.json / time_check.md.
+the measured CPU as the device; the attention kernels' FLOPs at the CPU flash kernel's measured rate,
+the rest at the matmul rate). Writes time_check.csv / time_check.json / time_check.md.
 """
 
 from __future__ import annotations
@@ -65,11 +66,14 @@ def main() -> None:
     args = parser.parse_args()
 
     stream = StreamConfig(chunk_size=args.chunk_size, head_chunk_size=args.head_chunk_size)
-    cpu = measure_cpu(torch.float32)
-    print(f"this CPU: matmul {cpu.flops['fp32'] / 1e9:.1f} GFLOP/s (fp32, 2048^3), copy bandwidth "
-          f"{cpu.hbm / 1e9:.1f} GB/s (read + write)", flush=True)
+    config = bench_config("qwen3", max_positions=2048)
+    cpu = measure_cpu(torch.float32, heads=(config.num_attention_heads, config.num_key_value_heads),
+                      head_dim=config.head_dim)
+    rates = (f"matmul {cpu.flops['fp32'] / 1e9:.1f} GFLOP/s (fp32, 2048^3), attention {cpu.attention['fp32'] / 1e9:.1f} "
+             f"GFLOP/s (flash forward + backward), copy bandwidth {cpu.hbm / 1e9:.1f} GB/s (read + write)")
+    print(f"this CPU: {rates}", flush=True)
     times = measured_times([p for p in args.bench.split(",") if p])
-    planner = Planner(bench_config("qwen3", max_positions=2048), dtype="fp32", stream=stream)
+    planner = Planner(config, dtype="fp32", stream=stream)
     setup = Setup(host_memory=0)
     rows = []
     for method in args.methods.split(","):
@@ -80,7 +84,8 @@ def main() -> None:
             predicted = step_time(work, setup, planner.rank(), "fp32", device=cpu, tokens=T)
             measured = times.get((method, T), [])
             median = sorted(measured)[len(measured) // 2] if measured else None
-            row = {"method": method, "seq_len": T, "flops": work.flops, "bytes": work.bytes,
+            row = {"method": method, "seq_len": T, "flops": work.flops, "attention_flops": work.attention,
+                   "bytes": work.bytes,
                    "compute_s": predicted.compute, "memory_s": predicted.memory, "predicted_s": predicted.total,
                    "measured_s": median, "measured_all": measured,
                    "rel_diff": predicted.total / median - 1 if median else None,
@@ -100,15 +105,17 @@ def main() -> None:
         w.writeheader()
         w.writerows(rows)
     (out / "time_check.json").write_text(json.dumps(
-        {"args": vars(args), "machine": machine(), "cpu_matmul_flops": cpu.flops["fp32"], "cpu_bandwidth": cpu.hbm,
+        {"args": vars(args), "machine": machine(), "cpu_matmul_flops": cpu.flops["fp32"],
+         "cpu_attention_flops": cpu.attention["fp32"], "cpu_bandwidth": cpu.hbm,
          "rows": rows}, indent=1))
-    lines = [f"CPU: matmul {cpu.flops['fp32'] / 1e9:.1f} GFLOP/s, bandwidth {cpu.hbm / 1e9:.1f} GB/s (measured)", "",
-             "| method | T | FLOPs (T) | other bytes (GB) | predicted s | measured s | difference |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [f"CPU (measured): {rates}", "",
+             "| method | T | FLOPs (T) | of which attention (T) | other bytes (GB) | predicted s | measured s | difference |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         measured = "-" if r["measured_s"] is None else f"{r['measured_s']:.1f}"
         diff = "-" if r["rel_diff"] is None else f"{100 * r['rel_diff']:+.1f}%"
-        lines.append(f"| {r['method']} | {r['seq_len']:,} | {r['flops'] / 1e12:.3f} | {r['bytes'] / 1e9:.1f} | "
+        lines.append(f"| {r['method']} | {r['seq_len']:,} | {r['flops'] / 1e12:.3f} | {r['attention_flops'] / 1e12:.3f} | "
+                     f"{r['bytes'] / 1e9:.1f} | "
                      f"{r['predicted_s']:.1f} | {measured} | {diff} |")
     (out / "time_check.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -341,6 +342,7 @@ def test_the_fake_step_counts_the_flops_of_the_real_step(method):
     fake = planner.work(method, 384)
     extra = 0 if method in ("plain", "ckpt") else 4 * 64 * 512  # one more labelled row in the head
     assert counter.work.flops > 0 and fake.flops - counter.work.flops == extra
+    assert 0 < counter.work.attention < counter.work.flops and fake.attention == counter.work.attention
     assert fake.bytes == pytest.approx(counter.work.bytes, rel=1e-3)
 
 
@@ -355,6 +357,7 @@ def test_the_work_is_quadratic_in_t_through_the_probes(bf16_planner):
         planner.step(method, T)
         counted = planner.work(method, T)
         assert by_polynomial.flops == pytest.approx(counted.flops, rel=1e-12)
+        assert by_polynomial.attention == pytest.approx(counted.attention, rel=1e-12)
         assert by_polynomial.bytes == pytest.approx(counted.bytes, rel=1e-2)
 
 
@@ -366,6 +369,22 @@ def test_causal_attention_counts_the_pairs_it_computes():
     with WorkCounter() as counter:
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0, False)
     assert counter.work.flops == 2 * 2 * 64 * 8
+    assert counter.work.attention == counter.work.flops  # (attention kernels only)
+    with WorkCounter() as counter:
+        torch.mm(torch.zeros(8, 4), torch.zeros(4, 3))
+    assert counter.work.flops == 2 * 8 * 4 * 3 and counter.work.attention == 0
+
+
+def test_attention_runs_at_the_devices_attention_rate():
+    """A GPU's attention rate is its matmul peak; a device that states its own (the measured CPU)
+    times the attention FLOPs at that rate and the rest at the matmul rate."""
+    tensors = parameter_tensors(_model(layers=2))
+    work = Work(flops=3e12, attention=1e12)
+    gpu = step_time(work, Setup(efficiency=1.0), rank_bytes(tensors, Setup()), "bf16")
+    assert gpu.compute == pytest.approx(3e12 / GPUS["h100"].matmul_rate("bf16"))
+    cpu = replace(GPUS["h100"], flops={"fp32": 2e12}, attention={"fp32": 0.5e12})
+    timed = step_time(work, Setup(), rank_bytes(tensors, Setup()), "fp32", device=cpu)
+    assert timed.compute == pytest.approx(2e12 / 2e12 + 1e12 / 0.5e12)
 
 
 def test_step_time_follows_rates_links_and_efficiency():

@@ -42,7 +42,10 @@ GB = 1e9
 @dataclass(frozen=True)
 class Gpu:
     """Peak rates of one device. ``flops``: matmul FLOP/s by the dtype of the operands; ``memory``:
-    bytes of device memory; ``hbm``, ``nvlink``, ``pcie``: bytes/s (links: per direction)."""
+    bytes of device memory; ``hbm``, ``nvlink``, ``pcie``: bytes/s (links: per direction);
+    ``attention``: the attention kernels' FLOP/s by dtype where they are known to differ from the
+    matmul rate (a measured CPU), else None (the matmul rate: a GPU's flash kernels run on its
+    tensor cores, and the data sheets give no other figure)."""
 
     name: str
     label: str
@@ -52,9 +55,13 @@ class Gpu:
     nvlink: float
     pcie: float
     source: str
+    attention: dict | None = field(default=None, hash=False)
 
     def matmul_rate(self, dtype: str) -> float:
         return self.flops["bf16" if dtype == "fp16" else dtype]
+
+    def attention_rate(self, dtype: str) -> float:
+        return self.attention["bf16" if dtype == "fp16" else dtype] if self.attention else self.matmul_rate(dtype)
 
 
 _A100 = dict(flops={"bf16": 312 * TB, "fp32": 19.5 * TB}, hbm=2039 * GB, pcie=32 * GB)
@@ -72,18 +79,40 @@ GPUS: dict[str, Gpu] = {g.name: g for g in (
 )}
 
 
-def measure_cpu(dtype: torch.dtype = torch.float32, size: int = 2048, seconds: float = 2.0) -> Gpu:
-    """This CPU as the step-time model sees a device: its measured matmul rate (``size`` cubed
-    products in ``dtype``, the best of repeated runs for ``seconds``) and memory bandwidth (a copy of
-    256 MiB, read + write); links are not used on one CPU."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    torch.mm(a, b)  # (warm-up: threads, packing buffers)
+def _best_seconds(fn, seconds: float) -> float:
+    """The fastest of repeated runs of ``fn`` for ``seconds``, after one warm-up run."""
+    fn()  # (warm-up: threads, packing buffers)
     best, end = float("inf"), time.perf_counter() + seconds
     while time.perf_counter() < end:
         t0 = time.perf_counter()
-        torch.mm(a, b)
+        fn()
         best = min(best, time.perf_counter() - t0)
-    flops = 2 * size**3 / best
+    return best
+
+
+def measure_cpu(dtype: torch.dtype = torch.float32, size: int = 2048, seconds: float = 2.0,
+                heads: tuple[int, int] = (8, 4), head_dim: int = 64) -> Gpu:
+    """This CPU as the step-time model sees a device: its measured matmul rate (``size`` cubed
+    products in ``dtype``, the best of repeated runs for ``seconds``), attention rate (the CPU flash
+    kernel's forward and backward for 1024 queries against 4096 keys with ``heads`` = (query, K/V)
+    heads of ``head_dim``, FLOPs as the planner counts them) and memory bandwidth (a copy of
+    256 MiB, read + write); links are not used on one CPU. The attention rate is its own figure
+    because the kernel reaches about half the rate of a large square product here (an
+    attention block's products are thin: head_dim wide)."""
+    from ._work import _cpu_flash_backward, _cpu_flash_forward
+
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    flops = 2 * size**3 / _best_seconds(lambda: torch.mm(a, b), seconds)
+    q = torch.randn(1, heads[0], 1024, head_dim, dtype=dtype)
+    k, v = (torch.randn(1, heads[1], 4096, head_dim, dtype=dtype) for _ in range(2))
+    aten = torch.ops.aten
+
+    def attention():
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False)[:2]
+        aten._scaled_dot_product_flash_attention_for_cpu_backward(torch.ones_like(out), q, k, v, out, lse, 0.0, False)
+
+    attention_flops = (_cpu_flash_forward(q, k, v) + _cpu_flash_backward(None, q, k, v, None, None)) / \
+        _best_seconds(attention, seconds)
     x = torch.empty(64 * 2**20, dtype=torch.float32)  # 256 MiB
     y = torch.empty_like(x)
     y.copy_(x)
@@ -95,4 +124,4 @@ def measure_cpu(dtype: torch.dtype = torch.float32, size: int = 2048, seconds: f
     bandwidth = 2 * x.numel() * 4 / best_copy
     name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
     return Gpu("cpu", f"this CPU ({torch.get_num_threads()} threads, measured)", 0, {name: flops},
-               bandwidth, 0.0, 0.0, "measured by leanbp.plan.measure_cpu")
+               bandwidth, 0.0, 0.0, "measured by leanbp.plan.measure_cpu", attention={name: attention_flops})

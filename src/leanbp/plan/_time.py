@@ -1,7 +1,8 @@
 """The time of a step, from the work the fake step counted (``_work.py``) and the bytes the set-up
 moves between GPUs and over PCIe, on a GPU of ``_devices.GPUS`` at an efficiency the user states.
 
-    compute  = product and attention FLOPs / (matmul peak x efficiency)
+    compute  = (product FLOPs / matmul rate + attention FLOPs / attention rate) / efficiency
+               (a GPU's attention rate is its matmul peak; a measured CPU's is its flash kernel's)
     memory   = bytes of the other ops / (HBM bandwidth x efficiency)
     exchange = bytes a rank sends in the all-to-alls of sequence parallelism x (P - 1) / P
                / (NVLink per direction x efficiency)
@@ -20,8 +21,8 @@ moves between GPUs and over PCIe, on a GPU of ``_devices.GPUS`` at an efficiency
 The efficiency is one number for every rate (an assumption; every report states it). Long-
 sequence fine-tuning on H100s reaches about half the dense peak: TRL's 1M-token Qwen3-8B recipe
 (8 x H100, 380 s per step) is 0.5 of the peak by this model. On the CPU the model is checked
-against measured steps with the CPU's measured matmul rate and bandwidth at efficiency 1
-(``benchmarks/plan_time_check.py``).
+against measured steps with the CPU's measured matmul rate, attention rate and bandwidth at
+efficiency 1 (``benchmarks/plan_time_check.py``).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def step_time(work: Work, setup: Setup, rank: RankBytes, dtype: str, optimizer: 
     replaces the set-up's GPU (e.g. ``measure_cpu()``)."""
     gpu = device or GPUS[setup.gpu]
     eff = setup.efficiency if device is None else 1.0
-    compute = work.flops / (gpu.matmul_rate(dtype) * eff)
+    compute = ((work.flops - work.attention) / gpu.matmul_rate(dtype) + work.attention / gpu.attention_rate(dtype)) / eff
     memory = work.bytes / (gpu.hbm * eff)
     comm = rank.collective / (gpu.nvlink * eff) if setup.world > 1 and gpu.nvlink else 0.0
     # (the share a rank sends itself stays on the GPU)

@@ -44,15 +44,18 @@ class Work:
     flops: float = 0.0
     bytes: float = 0.0
     exchange: float = 0.0
+    attention: float = 0.0  # the attention kernels' share of ``flops`` (a device runs them at its own rate)
 
     def __add__(self, other: "Work") -> "Work":
-        return Work(self.flops + other.flops, self.bytes + other.bytes, self.exchange + other.exchange)
+        return Work(self.flops + other.flops, self.bytes + other.bytes, self.exchange + other.exchange,
+                    self.attention + other.attention)
 
     def __sub__(self, other: "Work") -> "Work":
-        return Work(self.flops - other.flops, self.bytes - other.bytes, self.exchange - other.exchange)
+        return Work(self.flops - other.flops, self.bytes - other.bytes, self.exchange - other.exchange,
+                    self.attention - other.attention)
 
     def __mul__(self, k: float) -> "Work":
-        return Work(self.flops * k, self.bytes * k, self.exchange * k)
+        return Work(self.flops * k, self.bytes * k, self.exchange * k, self.attention * k)
 
     __rmul__ = __mul__
 
@@ -95,6 +98,15 @@ _EXTRA = {aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_forward,
 if hasattr(aten, "_grouped_mm"):
     _EXTRA[aten._grouped_mm] = _grouped_mm
 
+# the attention kernels (CPU and CUDA, forward and backward) whose FLOPs ``Work.attention`` holds
+_ATTENTION = {getattr(aten, name) for name in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "_flash_attention_forward", "_flash_attention_backward",
+    "_efficient_attention_forward", "_efficient_attention_backward") if hasattr(aten, name)}
+
 _NO_DATA = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided,
             aten.detach, aten.alias, aten.lift_fresh, aten.set_, aten.resize_}
 
@@ -110,19 +122,22 @@ class WorkCounter(TorchDispatchMode):
         super().__init__()
         self.flops = 0
         self.bytes = 0
+        self.attention = 0
 
     @property
     def work(self) -> Work:
-        return Work(float(self.flops), float(self.bytes))
+        return Work(float(self.flops), float(self.bytes), attention=float(self.attention))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func._overloadpacket
-        if packet in _EXTRA:
-            self.flops += _EXTRA[packet](*args, **kwargs)
-        elif packet in flop_registry:
-            self.flops += flop_registry[packet](*args, **kwargs, out_val=out)
+        if packet in _EXTRA or packet in flop_registry:
+            flops = (_EXTRA[packet](*args, **kwargs) if packet in _EXTRA
+                     else flop_registry[packet](*args, **kwargs, out_val=out))
+            self.flops += flops
+            if packet in _ATTENTION:
+                self.attention += flops
         elif packet not in _NO_DATA and not func.is_view:
             outputs = list(op_tensors(out, meta=True))
             if not outputs:  # (metadata: prim.device, sym_size, ...)
