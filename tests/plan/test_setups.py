@@ -387,6 +387,15 @@ def test_attention_runs_at_the_devices_attention_rate():
     assert timed.compute == pytest.approx(2e12 / 2e12 + 1e12 / 0.5e12)
 
 
+def test_the_measured_cpu_states_its_attention_rate_apart():
+    from leanbp.plan import measure_cpu
+
+    cpu = measure_cpu(torch.float32, size=256, seconds=0.05, heads=(4, 2), head_dim=16)
+    assert set(cpu.attention) == set(cpu.flops) == {"fp32"}
+    assert cpu.attention_rate("fp32") == cpu.attention["fp32"] != cpu.matmul_rate("fp32")
+    assert GPUS["h100"].attention_rate("bf16") == GPUS["h100"].matmul_rate("bf16")
+
+
 def test_step_time_follows_rates_links_and_efficiency():
     tensors = parameter_tensors(_model(layers=2))
     work = Work(flops=989e12, bytes=3350e9)
