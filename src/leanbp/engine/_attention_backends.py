@@ -116,22 +116,22 @@ class CpuFlashAttention:
         """(B, Hq, c[, D]) -> (B, Hkv, group * c[, D]): query head h serves K/V head h // group."""
         return x.reshape(x.shape[0], kv_heads, -1, *x.shape[3:])
 
+    def _query_side(self, q, k, causal, bias):
+        """What the kernel gets in place of each query-side tensor: folded where ``_folds``, else as is."""
+        if not self._folds(q, k, causal, bias):
+            return lambda x: x
+        return lambda x: self._fold(x, k.shape[1])
+
     def forward(self, q, k, v, causal, bias, scale):
-        folds = self._folds(q, k, causal, bias)
+        fold = self._query_side(q, k, causal, bias)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            self._fold(q, k.shape[1]) if folds else q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
-        if folds:
-            out, lse = out.reshape(q.shape), lse.reshape(q.shape[:3])
-        return out, lse
+            fold(q), k, v, 0.0, causal, attn_mask=bias, scale=scale)
+        return out.reshape(q.shape), lse.reshape(q.shape[:3])  # (unfolded: no-op views)
 
     def backward(self, dout, q, k, v, out, lse, causal, bias, scale):
-        if not self._folds(q, k, causal, bias):
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
-        heads = k.shape[1]
+        fold = self._query_side(q, k, causal, bias)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            self._fold(dout, heads), self._fold(q, heads), k, v, self._fold(out, heads), self._fold(lse, heads),
-            0.0, False, scale=scale)
+            fold(dout), fold(q), k, v, fold(out), fold(lse), 0.0, causal, attn_mask=bias, scale=scale)
         return dq.reshape(q.shape), dk, dv
 
 

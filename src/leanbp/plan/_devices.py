@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..memory import GiB
+from ._work import _cpu_flash_backward, _cpu_flash_forward
 
 __all__ = ["Gpu", "GPUS", "measure_cpu"]
 
@@ -99,8 +100,6 @@ def measure_cpu(dtype: torch.dtype = torch.float32, size: int = 2048, seconds: f
     256 MiB, read + write); links are not used on one CPU. The attention rate is its own figure
     because the kernel runs below the rate of a large square product (0.7-0.9x on an AMD EPYC
     with 2 threads: an attention block's products are head_dim wide)."""
-    from ._work import _cpu_flash_backward, _cpu_flash_forward
-
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     flops = 2 * size**3 / _best_seconds(lambda: torch.mm(a, b), seconds)
     q = torch.randn(1, heads[0], 1024, head_dim, dtype=dtype)
