@@ -47,6 +47,7 @@ class Row:
     mode: str = "backprop"  # "step": the optimizer's state and step are in the budget
     setup: dict = field(default_factory=dict)  # Setup fields
     hold_outputs: bool = True
+    free_grads: bool = False  # the loop frees the gradients between steps (Trainer's model.zero_grad())
     lora: int | None = None
     reproducible: bool = True
     why_not: str = ""  # for a row the planner cannot reproduce: what it lacks
@@ -59,22 +60,28 @@ ROWS = [
     Row("streambp-bp", f"{STREAMBP}, Fig. 3", "backprop only (no optimizer), Qwen3-8B, bf16, batch 1, one A800-80GB",
         "qwen3-8b", {"plain": 4700, "ckpt": 20000, "leanbp": 110000}, gpu="a800",
         assumes="--gpu a800 --mode backprop; the loop holds the outputs through backward (the paper's scripts "
-                "call model(...).loss.backward()); StreamBP is the paper's own implementation, leanbp the planner's"),
+                "call model(...).loss.backward()); gradients resident, the planner's default: the script's "
+                "--iterations accumulate into them (its default of one starts without: --free-grads plans that); "
+                "StreamBP is the paper's own implementation, leanbp the planner's"),
     Row("streambp-sft", f"{STREAMBP}, Table 3 (SFT, full fine-tuning)", "SFT step with TRL/transformers' Trainer, "
         "Qwen3-8B, bf16 weights, AdamW of transformers' Trainer, one A800-80GB", "qwen3-8b",
         {"ckpt": 15700, "leanbp": 72000}, gpu="a800", mode="step", setup=dict(optimizer="adamw-bf16"),
-        hold_outputs=False,
+        hold_outputs=False, free_grads=True,
         assumes="--mode step --optimizer adamw-bf16 (torch AdamW on bf16 weights keeps bf16 moments, no master: the "
-                "only way an 8B model's full step fits 80 GB) --free-outputs (Trainer returns the loss only)"),
+                "only way an 8B model's full step fits 80 GB) --free-outputs (Trainer returns the loss only) "
+                "--free-grads (the script reads the peak at the second step; Trainer's model.zero_grad() freed the "
+                "first step's gradients, so the second one's backward makes them as it goes)"),
     Row("streambp-lora", f"{STREAMBP}, Table 3 (SFT, LoRA)", "SFT step, Qwen3-8B, LoRA r=32 on all linear layers "
         "(the paper's scripts/test_sft.py), one A800-80GB", "qwen3-8b", {"ckpt": 30600, "leanbp": 142400},
-        gpu="a800", mode="step", hold_outputs=False, lora=32,
-        assumes="--mode step --lora 32 --free-outputs (adapters in fp32 as PEFT keeps them, fp32 AdamW moments)"),
+        gpu="a800", mode="step", hold_outputs=False, free_grads=True, lora=32,
+        assumes="--mode step --lora 32 --free-outputs --free-grads (Trainer, as the full fine-tuning row; adapters "
+                "in fp32 as PEFT keeps them, fp32 AdamW moments)"),
     Row("trl-4b", f"{TRL}: 'The loss is the first thing to break'", "Qwen3-4B, one 80 GB card, TRL SFTTrainer with "
         "gradient checkpointing and the plain loss (loss_type='nll'), bf16", "qwen3-4b", {"ckpt": 32768},
-        gpu="h100", mode="step", setup=dict(optimizer="adamw-bf16"), hold_outputs=False,
-        assumes="--mode step --optimizer adamw-bf16 (Trainer's fused AdamW on bf16 weights) --free-outputs; the guide "
-                "reports '32k tokens' from its plot (32,768 taken)"),
+        gpu="h100", mode="step", setup=dict(optimizer="adamw-bf16"), hold_outputs=False, free_grads=True,
+        assumes="--mode step --optimizer adamw-bf16 (Trainer's fused AdamW on bf16 weights) --free-outputs "
+                "--free-grads (Trainer frees the gradients between steps); the guide reports '32k tokens' from its "
+                "plot (32,768 taken)"),
     Row("alst-baseline", f"{ALST}: run-h100-sp1-llama-8b-baseline.yml", "Llama-3.1-8B, one H100 80GB, ZeRO-3 with "
         "weights and optimizer offloaded to the CPU (cpu_adam), transformers' checkpointing, plain loss, bf16: 32,000 "
         "tokens at 71.91 GB (36,000 close to OOM)", "llama-3.1-8b", {"ckpt": 32000}, gpu="h100", mode="step",
@@ -130,7 +137,7 @@ def plan_row(row: Row, stream: StreamConfig) -> list[dict]:
     memory = gpu.memory
     budget = memory - CudaReserve().total(memory)
     planner = Planner(load_config(row.model), dtype="bf16", stream=stream, hold_outputs=row.hold_outputs,
-                      lora_rank=row.lora, setup=setup)
+                      free_grads=row.free_grads, lora_rank=row.lora, setup=setup)
     optimizer = row.mode == "step"
     methods = list(row.published)
     if row.key == "trl-1m":

@@ -194,6 +194,10 @@ def _add_plan(sub):
     p.add_argument("--free-outputs", action="store_true",
                    help="the loop drops the model's outputs (logits) before backward, as transformers' Trainer does "
                         "(default: held through backward, as in outputs = model(**batch); outputs.loss.backward())")
+    p.add_argument("--free-grads", action="store_true",
+                   help="the loop frees the gradients between steps (zero_grad(), set_to_none=True: PyTorch's and "
+                        "Trainer's default), so a step's backward makes them as it goes; default: resident through "
+                        "the step, as in gradient accumulation's later micro-steps (only --engine single or ddp)")
     p.add_argument("--lora", type=int, metavar="R",
                    help="train LoRA adapters of rank R on every linear layer but the head, the base frozen "
                         "(default: full fine-tuning)")
@@ -216,7 +220,7 @@ def _plan(args) -> int:
                           methods=[m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None,
                           modes=["backprop", "step"] if args.mode == "both" else [args.mode],
                           stream=_stream_config(args, "plan"), hold_outputs=not args.free_outputs,
-                          lora_rank=args.lora, setup=setup)
+                          free_grads=args.free_grads, lora_rank=args.lora, setup=setup)
     result = run_plan(request, load_config(args.model))
     print(format_plan(result))
     print(f"\nwritten to {write_plan(result, args.out)}/ (plan.md, plan.csv, plan.json, plan.png)")

@@ -21,8 +21,9 @@ METHODS = ("plain", "ckpt", "leanbp", "leanbp_offload")
 
 
 
-def _measured(config, method, T, hold_outputs, lora_rank=None):
-    """The step on real tensors, measured by leanbp.memory.track."""
+def _measured(config, method, T, hold_outputs, lora_rank=None, free_grads=False):
+    """The step on real tensors, measured by leanbp.memory.track (gradients resident, zeroed, or
+    none: ``free_grads``)."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).train()
     if lora_rank:
@@ -36,25 +37,54 @@ def _measured(config, method, T, hold_outputs, lora_rank=None):
         leanbp.stream(model, chunk_size=64, head_chunk_size=32, offload=method == "leanbp_offload")
     for p in model.parameters():
         if p.requires_grad:
-            p.grad = torch.zeros_like(p)
+            p.grad = None if free_grads else torch.zeros_like(p)
     ids = torch.randint(0, config.vocab_size, (2, T))
     with leanbp.memory.track(model) as mem:
         training_step(model, ids, hold_outputs)
     return mem.report
 
 
-@pytest.mark.parametrize("method, hold_outputs, lora_rank", [
-    ("plain", True, None), ("plain", False, None), ("ckpt", True, None), ("ckpt", False, None), ("leanbp", True, None),
-    ("leanbp_offload", True, None), ("ckpt", True, 4), ("leanbp", True, 4)])
-def test_fake_step_predicts_the_measured_bytes_exactly(method, hold_outputs, lora_rank):
+@pytest.mark.parametrize("method, hold_outputs, lora_rank, free_grads", [
+    ("plain", True, None, False), ("plain", False, None, False), ("ckpt", True, None, False),
+    ("ckpt", False, None, False), ("leanbp", True, None, False), ("leanbp_offload", True, None, False),
+    ("ckpt", True, 4, False), ("leanbp", True, 4, False),
+    ("plain", True, None, True), ("ckpt", False, None, True), ("leanbp", True, None, True),
+    ("leanbp_offload", True, None, True), ("ckpt", False, 4, True)])
+def test_fake_step_predicts_the_measured_bytes_exactly(method, hold_outputs, lora_rank, free_grads):
     config = _config()
     planner = Planner(config, dtype="fp32", batch=2, stream=StreamConfig(chunk_size=64, head_chunk_size=32),
-                      hold_outputs=hold_outputs, lora_rank=lora_rank)
+                      hold_outputs=hold_outputs, lora_rank=lora_rank, free_grads=free_grads)
     assert planner.depths == (2, 3)  # so the 4-layer numbers come from the depth line
     predicted = planner.step(method, 320)
-    measured = _measured(config, method, 320, hold_outputs, lora_rank)
+    measured = _measured(config, method, 320, hold_outputs, lora_rank, free_grads)
     assert (predicted.peak, predicted.params, predicted.grads, predicted.host) == \
         (measured.peak, measured.params, measured.grads, measured.host)
+    top = max(measured.phase_peaks, key=measured.phase_peaks.get)  # (the phase that holds the peak)
+    assert (predicted.phase_peaks[top], predicted.phase_grads[top]) == \
+        (measured.phase_peaks[top], measured.phase_grads[top])
+    if free_grads:  # the step made its gradients: where the peak is, not all of them exist yet
+        assert min(measured.phase_grads.values()) < measured.grads
+    else:
+        assert set(measured.phase_grads.values()) == {measured.grads}
+
+
+def test_freed_gradients_lower_the_peak_and_split_it_by_what_exists(bf16_planner):
+    resident = bf16_planner
+    freed = Planner(resident.config, dtype=resident.dtype, stream=resident.stream, free_grads=True)
+    T = 2048
+    a, b = resident.peak("ckpt", T, probe=True), freed.peak("ckpt", T, probe=True)
+    assert b.total < a.total and a.grads == resident.rank().grads
+    # the peak holds the gradients made by then; the parts add up to that phase's peak
+    step = freed.step("ckpt", T)
+    assert b.grads == step.phase_grads[b.phase] < step.grads
+    assert b.weights + b.grads + b.activations + b.buffers == step.phase_peaks[b.phase] == b.total
+    # read from the lines beyond the probes, the same split as a fake step there
+    T = max(freed.lines("ckpt").valid_from, 2048) * 4
+    by_lines, probed = freed.peak("ckpt", T), freed.peak("ckpt", T, probe=True)
+    assert not by_lines.probed
+    assert (by_lines.total, by_lines.grads, by_lines.activations) == (probed.total, probed.grads, probed.activations)
+    with pytest.raises(ValueError, match="free_grads"):
+        Planner(resident.config, free_grads=True, setup=leanbp.plan.Setup(gpus=2, engine="zero3"))
 
 
 @pytest.mark.parametrize("method", ["ckpt", "leanbp_offload"])

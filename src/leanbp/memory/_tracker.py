@@ -111,6 +111,9 @@ class MemoryReport:
     host: int = 0
     # the peak while each phase ran (CPU and fake-tensor runs; see ``phase``)
     phase_peaks: dict = field(default_factory=dict, compare=False)
+    # the gradients alive at each phase's peak (part of it): all of them when they were resident
+    # before the block, fewer when the block made them (a loop that frees them between steps)
+    phase_grads: dict = field(default_factory=dict, compare=False)
 
     @property
     def activations(self) -> int:
@@ -125,11 +128,13 @@ class MemoryReport:
 class _LiveStorageBytes(TorchDispatchMode):
     """Counts bytes of storages created inside the mode while they are alive."""
 
-    def __init__(self, baseline: int, existing=()):
+    def __init__(self, baseline: int, existing=(), grads: int = 0):
         super().__init__()
         self.live = baseline
         self.peak = baseline
         self.phase_peaks: dict[str, int] = {}  # the peak while each phase ran (see ``phase``)
+        self.grads = grads  # gradient bytes alive now (``track`` adds each new gradient)
+        self.phase_grads: dict[str, int] = {}  # ``grads`` at each phase's peak
         self._seen: "weakref.WeakSet" = weakref.WeakSet()
         for t in existing:  # already counted in the baseline
             self._seen.add(t.untyped_storage())
@@ -151,6 +156,7 @@ class _LiveStorageBytes(TorchDispatchMode):
         name = current_phase()
         if self.live > self.phase_peaks.get(name, 0):
             self.phase_peaks[name] = self.live
+            self.phase_grads[name] = self.grads
         return out
 
 
@@ -221,7 +227,10 @@ class track:
         self._grad_bytes = {id(p): p.grad.untyped_storage().nbytes() for p in self._params() if p.grad is not None}
 
         def seen(p):
-            self._grad_bytes[id(p)] = max(self._grad_bytes.get(id(p), 0), p.grad.untyped_storage().nbytes())
+            before, now = self._grad_bytes.get(id(p), 0), p.grad.untyped_storage().nbytes()
+            if self._mode is not None and now > before:  # (a gradient made inside the block)
+                self._mode.grads += now - before
+            self._grad_bytes[id(p)] = max(before, now)
 
         self._hooks = [p.register_post_accumulate_grad_hook(seen) for p in self._params() if p.requires_grad]
 
@@ -233,7 +242,7 @@ class track:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._mode = None
         else:
-            self._mode = _LiveStorageBytes(params + grads_before, self._params() + self._grads())
+            self._mode = _LiveStorageBytes(params + grads_before, self._params() + self._grads(), grads_before)
             self._mode.__enter__()
         self._params_bytes = params
         self._host_start = _HOST.peak = _HOST.live  # (what a host store held before: not this block's)
@@ -241,10 +250,10 @@ class track:
         return self
 
     def __exit__(self, *exc):
-        phase_peaks = {}
+        phase_peaks, phase_grads = {}, {}
         if self._mode is not None:
             self._mode.__exit__(*exc)
-            peak, phase_peaks = self._mode.peak, self._mode.phase_peaks
+            peak, phase_peaks, phase_grads = self._mode.peak, self._mode.phase_peaks, self._mode.phase_grads
         else:
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
@@ -253,5 +262,6 @@ class track:
         at_exit = {id(p): p.grad.untyped_storage().nbytes() for p in self._params() if p.grad is not None}
         grads = sum(max(self._grad_bytes.get(k, 0), at_exit.get(k, 0)) for k in set(self._grad_bytes) | set(at_exit))
         self.report = MemoryReport(peak=peak, params=self._params_bytes, grads=grads,
-                                   host=_HOST.peak - self._host_start, phase_peaks=phase_peaks)
+                                   host=_HOST.peak - self._host_start, phase_peaks=phase_peaks,
+                                   phase_grads=phase_grads)
         return False

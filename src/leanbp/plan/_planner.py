@@ -142,6 +142,8 @@ class Lines:
     phases: dict  # phase name -> (intercept, slope)
     host: tuple[float, float]
     valid_from: int
+    # phase name -> (intercept, slope) of the gradient bytes alive at that phase's peak (part of it)
+    grads: dict = field(default_factory=dict)
 
     def at(self, T: int) -> tuple[int, int, str]:
         """(peak bytes, host bytes, the phase that holds the peak) at T."""
@@ -174,7 +176,7 @@ class Lines:
         phases = {name: (a + extra.get(name, 0), b) for name, (a, b) in self.phases.items()}
         for name, value in extra.items():
             phases.setdefault(name, (value, 0.0))
-        return Lines(phases, (self.host[0] + host, self.host[1]), self.valid_from)
+        return Lines(phases, (self.host[0] + host, self.host[1]), self.valid_from, self.grads)
 
 
 @dataclass
@@ -184,7 +186,11 @@ class Planner:
     dtype: parameters and gradients (``PLAN_DTYPES``); batch: sequences per step (per rank);
     stream: leanbp's settings (a fixed chunk size: with "auto" the chunk grows with T and the phases'
     peaks are not lines); hold_outputs: the loop keeps the model's outputs until backward (see
-    ``training_step``); lora_rank: train LoRA adapters of this rank on every linear layer but the
+    ``training_step``); free_grads: the loop frees the gradients between steps (``zero_grad()``,
+    whose ``set_to_none=True`` is PyTorch's default and transformers' ``Trainer``'s), so a step
+    starts without them and its backward makes them; else they stay resident through the step, as
+    in the micro-steps of gradient accumulation after the first (one engine, or DDP: the sharded
+    engines keep their gradient shares through the step); lora_rank: train LoRA adapters of this rank on every linear layer but the
     head (PEFT's "all-linear"), the base frozen; setup: the GPUs, engine, optimizer and host memory
     (``Setup``; default one GPU, AdamW); verify_limit: a fake step to check the longest T is run when
     it has at most this many layer chunks."""
@@ -194,6 +200,7 @@ class Planner:
     batch: int = 1
     stream: StreamConfig = field(default_factory=StreamConfig)
     hold_outputs: bool = True
+    free_grads: bool = False
     lora_rank: int | None = None
     verify_limit: int = 64
     setup: Setup = field(default_factory=Setup)
@@ -223,6 +230,7 @@ class Planner:
                              '"auto" the chunk grows with T, which the plan\'s lines in T do not follow')
         if not isinstance(self.setup, Setup):
             raise ValueError(f"setup must be a leanbp.plan.Setup, got {type(self.setup).__name__}")
+        _check_free_grads(self.free_grads, self.setup)
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         self._mode = FakeTensorMode()
@@ -252,11 +260,13 @@ class Planner:
                 model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype_named(self.dtype)).train()
                 if self.lora_rank:
                     model = _fake_lora(model, self.lora_rank)
-                for p in model.parameters():  # steady state of a training loop: gradients resident
-                    if p.requires_grad:
-                        p.grad = torch.zeros_like(p)
             self._models[depth] = model
-        return self._models[depth]
+        model = self._models[depth]
+        with self._mode:  # the gradients a step starts with: resident (zeroed) or none (see free_grads)
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.grad = None if self.free_grads else p.grad if p.grad is not None else torch.zeros_like(p)
+        return model
 
     def _step_at_depth(self, method: str, T: int, depth: int) -> tuple[MemoryReport, Work]:
         # (with sp > 1: rank 0 of the group, holding the first T/P rows)
@@ -292,8 +302,10 @@ class Planner:
         if r1.phase_peaks.keys() != r2.phase_peaks.keys():
             raise RuntimeError(f"{method}: the phases of a {d1}- and a {d2}-layer step differ; plan at full depth")
         phases = {name: grow(r1.phase_peaks[name], r2.phase_peaks[name]) for name in r1.phase_peaks}
+        made = {name: grow(r1.phase_grads.get(name, 0), r2.phase_grads.get(name, 0)) for name in phases}
         report = MemoryReport(peak=max(phases.values()), params=grow(r1.params, r2.params),
-                              grads=grow(r1.grads, r2.grads), host=grow(r1.host, r2.host), phase_peaks=phases)
+                              grads=grow(r1.grads, r2.grads), host=grow(r1.host, r2.host), phase_peaks=phases,
+                              phase_grads=made)
         return report, w1 + (w2 - w1) * k
 
     def trainable_params(self) -> int:
@@ -326,6 +338,7 @@ class Planner:
         time on the rest of the set-up)."""
         if not isinstance(setup, Setup):
             raise ValueError(f"setup must be a leanbp.plan.Setup, got {type(setup).__name__}")
+        _check_free_grads(self.free_grads, setup)
         other = copy.copy(self)  # (the caches are the same dicts: what either planner runs, both know)
         other.setup, other._rank = setup, None
         if setup.sp != self.setup.sp:  # (another step: its own fake steps, the fake models shared)
@@ -350,7 +363,10 @@ class Planner:
                 fits = {name: _affine([(t, r.phase_peaks.get(name, -1)) for t, r in last]) for name in names}
                 host = _affine([(t, r.host) for t, r in last])
                 if host is not None and all(f is not None for f in fits.values()):
-                    lines = Lines(fits, host, last[0][0])
+                    # (the gradients at a phase's peak only split it: a line, else the last probe's)
+                    grads = {name: _affine([(t, r.phase_grads.get(name, 0)) for t, r in last])
+                             or (float(last[-1][1].phase_grads.get(name, 0)), 0.0) for name in names}
+                    lines = Lines(fits, host, last[0][0], grads)
                     break
             if len(probes) == 8:
                 raise RuntimeError(f"{method}: the phases' peaks are not affine in T between {probes[0][0]} and {T} "
@@ -396,20 +412,25 @@ class Planner:
             probe = True  # (before the lines' range: a fake step)
         if probe or (method, T) in self._steps:
             report = self.step(method, T)
-            single = Lines({n: (float(v), 0.0) for n, v in report.phase_peaks.items()}, (float(report.host), 0.0), T)
+            single = Lines({n: (float(v), 0.0) for n, v in report.phase_peaks.items()}, (float(report.host), 0.0), T,
+                           {n: (float(v), 0.0) for n, v in report.phase_grads.items()})
             probed = True
         else:
             single, probed = self.lines(method), False
         total, host, phase = self._shift(single, optimizer).at(T)
         rank = self.rank()
         opt = rank.optimizer if optimizer else 0
+        grads = rank.grads
         if phase == OPTIMIZER_STEP:
             activations = 0
         else:  # the one-process step's activations in that phase
             a, b = single.phases[phase]
-            activations = round(a + b * T) - rank.full_weights - rank.full_grads
-        buffers = total - rank.weights - rank.grads - opt - activations
-        return Peak(method, T, rank.weights, rank.grads, opt, activations, host, probed, phase, buffers,
+            if self.free_grads:  # (one engine or DDP: the rank's gradients are the step's own, made so far)
+                g0, g1 = single.grads.get(phase, (0.0, 0.0))
+                grads = round(g0 + g1 * T)
+            activations = round(a + b * T) - rank.full_weights - (grads if self.free_grads else rank.full_grads)
+        buffers = total - rank.weights - grads - opt - activations
+        return Peak(method, T, rank.weights, grads, opt, activations, host, probed, phase, buffers,
                     self.time(method, T, optimizer))
 
     def _shift(self, single: Lines, optimizer: bool) -> Lines:
@@ -475,6 +496,12 @@ class Planner:
 def _chunked(method: str) -> bool:
     """Whether ``method`` streams its layers in chunks (its lines in T hold at whole chunks)."""
     return method_named(method).streamed
+
+
+def _check_free_grads(free_grads: bool, setup: Setup) -> None:
+    if free_grads and setup.engine not in ("single", "ddp"):
+        raise ValueError(f"free_grads models a loop that frees its gradients between steps; {setup.engine} keeps "
+                         "the rank's gradient share in its own buffers through the step (plan it without)")
 
 
 def training_step(model, input_ids: torch.Tensor, hold_outputs: bool = True) -> None:

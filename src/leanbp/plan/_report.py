@@ -63,6 +63,7 @@ class PlanRequest:
     modes: list[str] = field(default_factory=lambda: ["backprop", "step"])
     stream: StreamConfig = field(default_factory=StreamConfig)  # leanbp's settings (a fixed chunk size)
     hold_outputs: bool = True
+    free_grads: bool = False  # the loop frees the gradients between steps (``Planner.free_grads``)
     lora_rank: int | None = None
     setup: Setup = field(default_factory=Setup)  # GPUs, engine, optimizer, host memory, GPU model, efficiency
     reserve_note: str = "given"  # where the reserve comes from (filled in for the default)
@@ -107,7 +108,8 @@ def run_plan(request: PlanRequest, config, progress: bool = True) -> dict:
     from tqdm import tqdm
 
     planner = Planner(config, dtype=request.dtype, batch=request.batch, stream=request.stream,
-                      hold_outputs=request.hold_outputs, lora_rank=request.lora_rank, setup=request.setup)
+                      hold_outputs=request.hold_outputs, free_grads=request.free_grads, lora_rank=request.lora_rank,
+                      setup=request.setup)
     started = time.perf_counter()
     bar = tqdm(total=len(request.methods), desc="leanbp plan", unit="method", disable=not progress)
     peaks, longest = [], []
@@ -171,7 +173,8 @@ def format_plan(result: dict) -> str:
         + f", {req['dtype']}, batch {req['batch']}{' per rank' if gpus > 1 else ''}; {result['setup']}; device memory "
         f"{_gib(req['memory'])} GiB - reserve {_gib(req['reserve'])} GiB ({req['reserve_note']}); leanbp chunk "
         f"{req['stream']['chunk_size']} rows; outputs "
-        f"{'held through' if req['hold_outputs'] else 'dropped before'} backward ({result['seconds']:.0f} s)",
+        f"{'held through' if req['hold_outputs'] else 'dropped before'} backward; gradients "
+        f"{'freed between steps' if req['free_grads'] else 'resident through the step'} ({result['seconds']:.0f} s)",
         "",
         f"Peak device memory of {'one rank' if gpus > 1 else 'the GPU'}, GiB (step = backprop + "
         f"{_OPTIMIZER_NOTE[setup['optimizer']]}; buffers = the engine's; host = offload and the optimizer on the "
