@@ -348,10 +348,13 @@ class Planner:
     # -- the line in T -----------------------------------------------------------------------------
     def lines(self, method: str, progress=None) -> Lines:
         """Each phase's peak of the one-process step as a line in T, from fake steps at doubling T
-        (until three in a row put every phase on one line, to the byte)."""
+        (until three in a row put every phase on one line, to the byte). A streamed method starts at
+        two chunks per rank: one chunk has no prefix K/V, so its backward is off the line; each doubling
+        costs more than all the probes before it (under ``sp`` each rank attends over the whole T), so
+        starting low is what keeps a plan quick."""
         if method in self._lines:
             return self._lines[method]
-        T, probes = (4 * self.stream.chunk_size if _chunked(method) else 1024) * self.setup.sp, []
+        T, probes = (2 * self.stream.chunk_size if _chunked(method) else 1024) * self.setup.sp, []
         while True:
             report = self.step(method, T)
             probes.append((T, report))
