@@ -9,9 +9,10 @@ model: Qwen3-shaped, hidden 512, 4 layers, vocab 32000, fp32, batch 1).
 For each (method, T) the planner runs the fake step at that T and counts its work (the FLOPs of
 its products and attention kernels, the bytes of its other ops: `leanbp.plan.WorkCounter`); with
 `--real` the same counter also runs over a real step of the bench model, and the two FLOP counts are
-compared. The prediction is FLOPs / matmul rate + bytes / bandwidth (`leanbp.plan.step_time` with
-the measured CPU as the device; the attention kernels' FLOPs at the CPU flash kernel's measured rate,
-the rest at the matmul rate). Writes time_check.csv / time_check.json / time_check.md.
+compared. The prediction is FLOPs / matmul rate + bytes / bandwidth + exp/log elements /
+transcendental rate + fresh large results / fresh-page rate (`leanbp.plan.step_time` with the
+measured CPU as the device; the attention kernels' FLOPs at the CPU flash kernel's measured rate, the
+rest at the matmul rate). Writes time_check.csv / time_check.json / time_check.md.
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ def main() -> None:
     cpu = measure_cpu(torch.float32, heads=(config.num_attention_heads, config.num_key_value_heads),
                       head_dim=config.head_dim)
     rates = (f"matmul {cpu.flops['fp32'] / 1e9:.1f} GFLOP/s (fp32, 2048^3), attention {cpu.attention['fp32'] / 1e9:.1f} "
-             f"GFLOP/s (flash forward + backward), copy bandwidth {cpu.hbm / 1e9:.1f} GB/s (read + write)")
+             f"GFLOP/s (flash forward + backward), copy bandwidth {cpu.hbm / 1e9:.1f} GB/s (read + write), "
+             f"log-softmax {cpu.transcendental['fp32'] / 1e9:.2f} G elements/s (forward + backward), fresh pages "
+             f"{cpu.fresh / 1e9:.1f} GB/s")
     print(f"this CPU: {rates}", flush=True)
     times = measured_times([p for p in args.bench.split(",") if p])
     planner = Planner(config, dtype="fp32", stream=stream)
@@ -85,7 +88,7 @@ def main() -> None:
             measured = times.get((method, T), [])
             median = sorted(measured)[len(measured) // 2] if measured else None
             row = {"method": method, "seq_len": T, "flops": work.flops, "attention_flops": work.attention,
-                   "bytes": work.bytes,
+                   "bytes": work.bytes, "transcendental": work.transcendental, "fresh_bytes": work.fresh,
                    "compute_s": predicted.compute, "memory_s": predicted.memory, "predicted_s": predicted.total,
                    "measured_s": median, "measured_all": measured,
                    "rel_diff": predicted.total / median - 1 if median else None,
@@ -107,15 +110,17 @@ def main() -> None:
     (out / "time_check.json").write_text(json.dumps(
         {"args": vars(args), "machine": machine(), "cpu_matmul_flops": cpu.flops["fp32"],
          "cpu_attention_flops": cpu.attention["fp32"], "cpu_bandwidth": cpu.hbm,
+         "cpu_transcendental": cpu.transcendental["fp32"], "cpu_fresh": cpu.fresh,
          "rows": rows}, indent=1))
     lines = [f"CPU (measured): {rates}", "",
-             "| method | T | FLOPs (T) | of which attention (T) | other bytes (GB) | predicted s | measured s | difference |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| method | T | FLOPs (T) | of which attention (T) | other bytes (GB) | exp/log elements (G) | "
+             "fresh large results (GB) | predicted s | measured s | difference |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         measured = "-" if r["measured_s"] is None else f"{r['measured_s']:.1f}"
         diff = "-" if r["rel_diff"] is None else f"{100 * r['rel_diff']:+.1f}%"
         lines.append(f"| {r['method']} | {r['seq_len']:,} | {r['flops'] / 1e12:.3f} | {r['attention_flops'] / 1e12:.3f} | "
-                     f"{r['bytes'] / 1e9:.1f} | "
+                     f"{r['bytes'] / 1e9:.1f} | {r['transcendental'] / 1e9:.2f} | {r['fresh_bytes'] / 1e9:.1f} | "
                      f"{r['predicted_s']:.1f} | {measured} | {diff} |")
     (out / "time_check.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

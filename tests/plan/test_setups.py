@@ -344,6 +344,8 @@ def test_the_fake_step_counts_the_flops_of_the_real_step(method):
     assert counter.work.flops > 0 and fake.flops - counter.work.flops == extra
     assert 0 < counter.work.attention < counter.work.flops and fake.attention == counter.work.attention
     assert fake.bytes == pytest.approx(counter.work.bytes, rel=1e-3)
+    # (the softmaxes and SiLUs; leanbp's head log-softmaxes its one more row)
+    assert 0 < counter.work.transcendental and fake.transcendental == pytest.approx(counter.work.transcendental, rel=1e-2)
 
 
 def test_the_work_is_quadratic_in_t_through_the_probes(bf16_planner):
@@ -359,6 +361,35 @@ def test_the_work_is_quadratic_in_t_through_the_probes(bf16_planner):
         assert by_polynomial.flops == pytest.approx(counted.flops, rel=1e-12)
         assert by_polynomial.attention == pytest.approx(counted.attention, rel=1e-12)
         assert by_polynomial.bytes == pytest.approx(counted.bytes, rel=1e-2)
+
+
+def test_the_counter_counts_transcendental_elements_and_fresh_large_results():
+    """exp/log/erf ops count their result elements (others none); a result allocated at FRESH_FROM
+    bytes or more counts its bytes as fresh (an in-place op's, or a smaller one's, not)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from leanbp.plan._work import FRESH_FROM
+
+    with FakeTensorMode(), WorkCounter() as counter:
+        big = torch.zeros(FRESH_FROM // 4)  # fresh
+        big.add_(1)  # in place: not fresh
+        torch.ones(FRESH_FROM // 4 - 1)  # one element short: not fresh
+        torch.nn.functional.silu(big)  # fresh, and transcendental
+        big * 2  # fresh, not transcendental
+        torch.log_softmax(torch.zeros(4, 10), -1)
+    assert counter.work.fresh == 3 * FRESH_FROM
+    assert counter.work.transcendental == FRESH_FROM // 4 + 40
+
+
+def test_transcendental_ops_and_fresh_pages_take_time_on_a_device_that_states_their_rates():
+    """A measured CPU times exp/log elements and fresh pages at its own rates; a GPU as traffic only."""
+    tensors = parameter_tensors(_model(layers=2))
+    work = Work(bytes=2e9, transcendental=1e9, fresh=1e9)
+    gpu = step_time(work, Setup(efficiency=1.0), rank_bytes(tensors, Setup()), "bf16")
+    assert gpu.memory == pytest.approx(2e9 / GPUS["h100"].hbm)
+    cpu = replace(GPUS["h100"], flops={"fp32": 1e11}, hbm=40e9, transcendental={"fp32": 0.5e9}, fresh=4e9)
+    timed = step_time(work, Setup(), rank_bytes(tensors, Setup()), "fp32", device=cpu)
+    assert timed.memory == pytest.approx(2e9 / 40e9 + 1e9 / 0.5e9 + 1e9 / 4e9)
 
 
 def test_causal_attention_counts_the_pairs_it_computes():
@@ -394,6 +425,8 @@ def test_the_measured_cpu_states_its_attention_rate_apart():
     assert set(cpu.attention) == set(cpu.flops) == {"fp32"}
     assert cpu.attention_rate("fp32") == cpu.attention["fp32"] != cpu.matmul_rate("fp32")
     assert GPUS["h100"].attention_rate("bf16") == GPUS["h100"].matmul_rate("bf16")
+    assert cpu.transcendental_rate("fp32") > 0 and cpu.fresh > 0
+    assert GPUS["h100"].transcendental_rate("bf16") is None and GPUS["h100"].fresh is None
 
 
 def test_step_time_follows_rates_links_and_efficiency():

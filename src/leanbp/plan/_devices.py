@@ -46,7 +46,12 @@ class Gpu:
     bytes of device memory; ``hbm``, ``nvlink``, ``pcie``: bytes/s (links: per direction);
     ``attention``: the attention kernels' FLOP/s by dtype where they are known to differ from the
     matmul rate (a measured CPU), else None (the matmul rate: a GPU's flash kernels run on its
-    tensor cores, and the data sheets give no other figure)."""
+    tensor cores, and the data sheets give no other figure). ``transcendental``: elements/s of the
+    ops that take an exp, log or erf per element, and ``fresh``: bytes/s at which fresh pages fault
+    in (``Work``'s counts of the same names), where they are slower than the traffic the ops make
+    (a measured CPU); None on a GPU, whose special-function units outrun its HBM (an H100's 132 SMs
+    x 16 per clock x 1.98 GHz = 4.2e12 exps/s against 3.35 TB/s / 4 bytes of a bf16 read and
+    write = 0.84e12 elements/s) and whose caching allocator reuses its blocks."""
 
     name: str
     label: str
@@ -57,12 +62,17 @@ class Gpu:
     pcie: float
     source: str
     attention: dict | None = field(default=None, hash=False)
+    transcendental: dict | None = field(default=None, hash=False)
+    fresh: float | None = None
 
     def matmul_rate(self, dtype: str) -> float:
         return self.flops["bf16" if dtype == "fp16" else dtype]
 
     def attention_rate(self, dtype: str) -> float:
         return self.attention["bf16" if dtype == "fp16" else dtype] if self.attention else self.matmul_rate(dtype)
+
+    def transcendental_rate(self, dtype: str) -> float | None:
+        return self.transcendental["bf16" if dtype == "fp16" else dtype] if self.transcendental else None
 
 
 _A100 = dict(flops={"bf16": 312 * TB, "fp32": 19.5 * TB}, hbm=2039 * GB, pcie=32 * GB)
@@ -96,8 +106,10 @@ def measure_cpu(dtype: torch.dtype = torch.float32, size: int = 2048, seconds: f
     """This CPU as the step-time model sees a device: its measured matmul rate (``size`` cubed
     products in ``dtype``, the best of repeated runs for ``seconds``), attention rate (the CPU flash
     kernel's forward and backward for 1024 queries against 4096 keys with ``heads`` = (query, K/V)
-    heads of ``head_dim``, FLOPs as the planner counts them) and memory bandwidth (a copy of
-    256 MiB, read + write); links are not used on one CPU. The attention rate is its own figure
+    heads of ``head_dim``, FLOPs as the planner counts them), memory bandwidth (a copy of
+    256 MiB, read + write), transcendental rate (log-softmax forward and backward over rows of
+    32000, into tensors allocated before) and fresh-page rate (256 MiB allocated and filled, less
+    the time of the fill into memory touched before); links are not used on one CPU. The attention rate is its own figure
     because the kernel runs below the rate of a large square product (0.7-0.9x on an AMD EPYC
     with 2 threads: an attention block's products are head_dim wide)."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
@@ -115,6 +127,20 @@ def measure_cpu(dtype: torch.dtype = torch.float32, size: int = 2048, seconds: f
     x = torch.empty(64 * 2**20, dtype=torch.float32)  # 256 MiB
     y = torch.empty_like(x)
     bandwidth = 2 * x.numel() * 4 / _best_seconds(lambda: y.copy_(x), seconds / 2)
+    fill = _best_seconds(lambda: y.fill_(1.0), seconds / 2)
+    # (each allocation this large is a fresh mapping: its pages fault in as the fill touches them)
+    fresh = y.nbytes / max(_best_seconds(lambda: torch.empty_like(y).fill_(1.0), seconds / 2) - fill, 1e-9)
+    del x, y
+    logits = torch.randn(512, 32000, dtype=dtype)
+    logprobs, grad, dlogits = (torch.empty_like(logits) for _ in range(3))
+    grad.fill_(1e-5)
+
+    def log_softmax():
+        aten._log_softmax.out(logits, -1, False, out=logprobs)
+        aten._log_softmax_backward_data.out(grad, logprobs, -1, dtype, out=dlogits)
+
+    transcendental = 2 * logits.numel() / _best_seconds(log_softmax, seconds / 2)
     name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
     return Gpu("cpu", f"this CPU ({torch.get_num_threads()} threads, measured)", 0, {name: flops},
-               bandwidth, 0.0, 0.0, "measured by leanbp.plan.measure_cpu", attention={name: attention_flops})
+               bandwidth, 0.0, 0.0, "measured by leanbp.plan.measure_cpu", attention={name: attention_flops},
+               transcendental={name: transcendental}, fresh=fresh)

@@ -3,7 +3,9 @@ moves between GPUs and over PCIe, on a GPU of ``_devices.GPUS`` at an efficiency
 
     compute  = (product FLOPs / matmul rate + attention FLOPs / attention rate) / efficiency
                (a GPU's attention rate is its matmul peak; a measured CPU's is its flash kernel's)
-    memory   = bytes of the other ops / (HBM bandwidth x efficiency)
+    memory   = (bytes of the other ops / HBM bandwidth
+                + exp/log/erf elements / transcendental rate   (a measured CPU's; none on a GPU)
+                + bytes of fresh large results / fresh-page rate) / efficiency   (likewise)
     exchange = bytes a rank sends in the all-to-alls of sequence parallelism x (P - 1) / P
                / (NVLink per direction x efficiency)
     device   = compute + memory + exchange       (one stream: the ops run one after another, and
@@ -66,7 +68,13 @@ def step_time(work: Work, setup: Setup, rank: RankBytes, dtype: str, optimizer: 
     gpu = device or GPUS[setup.gpu]
     eff = setup.efficiency if device is None else 1.0
     compute = ((work.flops - work.attention) / gpu.matmul_rate(dtype) + work.attention / gpu.attention_rate(dtype)) / eff
-    memory = work.bytes / (gpu.hbm * eff)
+    memory = work.bytes / gpu.hbm
+    transcendental = gpu.transcendental_rate(dtype)
+    if transcendental:  # (a CPU evaluates them slower than it moves their bytes; a GPU does not)
+        memory += work.transcendental / transcendental
+    if gpu.fresh:
+        memory += work.fresh / gpu.fresh
+    memory /= eff
     comm = rank.collective / (gpu.nvlink * eff) if setup.world > 1 and gpu.nvlink else 0.0
     # (the share a rank sends itself stays on the GPU)
     exchange = work.exchange * (setup.sp - 1) / setup.sp / (gpu.nvlink * eff) if setup.sp > 1 and gpu.nvlink else 0.0

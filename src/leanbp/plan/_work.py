@@ -17,7 +17,14 @@ result that is an argument, as an in-place op's, is counted once); views (also t
 say so, as ``_unsafe_view``), ``empty`` and metadata ops (no tensor result) move nothing. This is the traffic a memory-bound op makes to device memory when its
 operands do not stay in a cache between ops.
 
-Both are polynomials of degree two in T at whole chunks (attention over T keys, T rows) and
+Two more counts time what a CPU does slower than its bandwidth and a GPU does not:
+``transcendental``, the result elements of the ops that evaluate an exponential, logarithm or error
+function per element (softmax, log-softmax and their backwards, SiLU, GELU, ...); and ``fresh``,
+the bytes of results allocated at ``FRESH_FROM`` bytes or more, which glibc's allocator maps anew
+for each allocation, so their pages fault in, zeroed, on first touch (a GPU's caching allocator
+reuses its blocks). Both stay in ``bytes`` too.
+
+All are polynomials of degree two in T at whole chunks (attention over T keys, T rows) and
 linear in the depth: ``Work`` adds, scales and extends like the memory lines.
 """
 
@@ -45,17 +52,20 @@ class Work:
     bytes: float = 0.0
     exchange: float = 0.0
     attention: float = 0.0  # the attention kernels' share of ``flops`` (a device runs them at its own rate)
+    transcendental: float = 0.0  # elements of exp/log/erf ops (module docstring)
+    fresh: float = 0.0  # bytes of results allocated at FRESH_FROM bytes or more
+
+    def _fields(self) -> tuple:
+        return self.flops, self.bytes, self.exchange, self.attention, self.transcendental, self.fresh
 
     def __add__(self, other: "Work") -> "Work":
-        return Work(self.flops + other.flops, self.bytes + other.bytes, self.exchange + other.exchange,
-                    self.attention + other.attention)
+        return Work(*(a + b for a, b in zip(self._fields(), other._fields())))
 
     def __sub__(self, other: "Work") -> "Work":
-        return Work(self.flops - other.flops, self.bytes - other.bytes, self.exchange - other.exchange,
-                    self.attention - other.attention)
+        return Work(*(a - b for a, b in zip(self._fields(), other._fields())))
 
     def __mul__(self, k: float) -> "Work":
-        return Work(self.flops * k, self.bytes * k, self.exchange * k, self.attention * k)
+        return Work(*(a * k for a in self._fields()))
 
     __rmul__ = __mul__
 
@@ -107,6 +117,17 @@ _ATTENTION = {getattr(aten, name) for name in (
     "_flash_attention_forward", "_flash_attention_backward",
     "_efficient_attention_forward", "_efficient_attention_backward") if hasattr(aten, name)}
 
+# ops whose every result element takes an exp, log, tanh or erf (the backwards of softmax and
+# log-softmax take exp of their saved result; SiLU's and GELU's backwards re-evaluate the function)
+_TRANSCENDENTAL = {getattr(aten, name) for name in (
+    "_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data", "silu", "silu_",
+    "silu_backward", "gelu", "gelu_", "gelu_backward", "sigmoid", "sigmoid_", "tanh", "tanh_", "exp", "exp_",
+    "log", "log_", "erf", "erf_", "logsumexp", "softplus", "softplus_backward") if hasattr(aten, name)}
+
+# glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX, 4 * 1024 * 1024 * sizeof(long)):
+# an allocation this large is always a fresh mapping, whose pages fault in on first touch
+FRESH_FROM = 32 * 2**20
+
 _NO_DATA = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided,
             aten.detach, aten.alias, aten.lift_fresh, aten.set_, aten.resize_}
 
@@ -123,22 +144,40 @@ class WorkCounter(TorchDispatchMode):
         self.flops = 0
         self.bytes = 0
         self.attention = 0
+        self.transcendental = 0
+        self.fresh = 0
 
     @property
     def work(self) -> Work:
-        return Work(float(self.flops), float(self.bytes), attention=float(self.attention))
+        return Work(float(self.flops), float(self.bytes), attention=float(self.attention),
+                    transcendental=float(self.transcendental), fresh=float(self.fresh))
+
+    def _count_fresh(self, outputs, inputs) -> None:
+        seen = {t.untyped_storage()._cdata for t in inputs}
+        for storage in {t.untyped_storage()._cdata: t.untyped_storage() for t in outputs
+                        if t.untyped_storage()._cdata not in seen}.values():
+            if storage.nbytes() >= FRESH_FROM:
+                self.fresh += storage.nbytes()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func._overloadpacket
+        if func.is_view:
+            return out
+        if packet in _NO_DATA:  # (moves nothing; an empty's pages fault in where it is written)
+            if packet in (aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided):
+                self._count_fresh(list(op_tensors(out, meta=True)), ())
+            return out
         if packet in _EXTRA or packet in flop_registry:
             flops = (_EXTRA[packet](*args, **kwargs) if packet in _EXTRA
                      else flop_registry[packet](*args, **kwargs, out_val=out))
             self.flops += flops
             if packet in _ATTENTION:
                 self.attention += flops
-        elif packet not in _NO_DATA and not func.is_view:
+            self._count_fresh(list(op_tensors(out, meta=True)),
+                              list(op_tensors(args, meta=True)) + list(op_tensors(kwargs, meta=True)))
+        else:
             outputs = list(op_tensors(out, meta=True))
             if not outputs:  # (metadata: prim.device, sym_size, ...)
                 return out
@@ -148,6 +187,9 @@ class WorkCounter(TorchDispatchMode):
             if not fresh and not func._schema.is_mutable:  # a view by another name (_unsafe_view, ...)
                 return out
             self.bytes += sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in fresh)
+            if packet in _TRANSCENDENTAL:
+                self.transcendental += sum(t.numel() for t in outputs)
+            self._count_fresh(fresh, ())
         return out
 
 
