@@ -109,9 +109,10 @@ def measure_cpu(dtype: torch.dtype = torch.float32, size: int = 2048, seconds: f
     heads of ``head_dim``, FLOPs as the planner counts them), memory bandwidth (a copy of
     256 MiB, read + write), transcendental rate (log-softmax forward and backward over rows of
     32000, into tensors allocated before) and fresh-page rate (256 MiB allocated and filled, less
-    the time of the fill into memory touched before); links are not used on one CPU. The attention rate is its own figure
-    because the kernel runs below the rate of a large square product (0.7-0.9x on an AMD EPYC
-    with 2 threads: an attention block's products are head_dim wide)."""
+    the time of the fill into memory touched before); links are not used on one CPU. The
+    attention rate is its own figure because the kernel runs below the rate of a large square
+    product (0.7-0.9x on an AMD EPYC with 2 threads: an attention block's products are head_dim
+    wide)."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     flops = 2 * size**3 / _best_seconds(lambda: torch.mm(a, b), seconds)
     q = torch.randn(1, heads[0], 1024, head_dim, dtype=dtype)
@@ -128,7 +129,8 @@ def measure_cpu(dtype: torch.dtype = torch.float32, size: int = 2048, seconds: f
     y = torch.empty_like(x)
     bandwidth = 2 * x.numel() * 4 / _best_seconds(lambda: y.copy_(x), seconds / 2)
     fill = _best_seconds(lambda: y.fill_(1.0), seconds / 2)
-    # (each allocation this large is a fresh mapping: its pages fault in as the fill touches them)
+    # (each allocation this large is a fresh mapping: its pages fault in as the fill touches them;
+    # a fresh fill no slower than the other, within the timer's noise, leaves a cost of about zero)
     fresh = y.nbytes / max(_best_seconds(lambda: torch.empty_like(y).fill_(1.0), seconds / 2) - fill, 1e-9)
     del x, y
     logits = torch.randn(512, 32000, dtype=dtype)
