@@ -95,13 +95,18 @@ class _Counter:
 
 
 def _train(trainer_cls, config_cls, dataset, tmp_path, leanbp_order=None, ref=False, peft=False, reward_funcs=None,
-           build=tiny_model, **config):
-    """Two optimizer steps; returns (gradients per step, final parameters)."""
+           build=tiny_model, sequence_parallel=None, **config):
+    """Two optimizer steps; returns (gradients per step, final parameters). ``sequence_parallel``
+    (with ``leanbp_order="after"``): as ``stream_trainer`` takes it."""
     model = build()
     if config.get("beta", 0) > 0 and not peft:
-        # GRPOTrainer loads its reference model from the policy's config._name_or_path
-        model.save_pretrained(tmp_path / "init")
-        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "init", dtype=torch.float64)
+        # GRPOTrainer loads its reference model from the policy's config._name_or_path; under
+        # torch.distributed only rank 0 writes, into the folder every rank is given, then all read
+        model.save_pretrained(tmp_path.parent / "init" if sequence_parallel else tmp_path / "init")
+        if sequence_parallel:
+            torch.distributed.barrier()
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path.parent / "init" if sequence_parallel else tmp_path / "init", dtype=torch.float64)
     if leanbp_order == "before":
         leanbp.stream(model, **CHUNKS)
     extra = {"reward_funcs": reward_funcs} if reward_funcs is not None else {}
@@ -116,7 +121,7 @@ def _train(trainer_cls, config_cls, dataset, tmp_path, leanbp_order=None, ref=Fa
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=byte_tokenizer(),
                           callbacks=[grads], **extra)
     if leanbp_order == "after":
-        stream_trainer(trainer, **CHUNKS)
+        stream_trainer(trainer, sequence_parallel=sequence_parallel, **CHUNKS)
     models = [m for m in (trainer.model, getattr(trainer, "ref_model", None)) if m is not None]
     with full_precision_norms(*models), exact_trl_head():
         trainer.train()

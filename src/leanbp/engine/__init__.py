@@ -32,7 +32,7 @@ from ._masks import ATTENTION_MODES, ChunkMasks, Documents, KeyKeep, PrefixGradS
 from ._module_call import is_routed, unroute
 from ._softcap_attention import BLOCK_ROWS as SOFTCAP_BLOCK_ROWS
 from ._split import PASSES, backward_pass, current_pass
-from ._ulysses import SequenceGroup, reduce_gradients, shift_labels_across, sum_over_group
+from ._ulysses import SequenceGroup, gather_over_group, reduce_gradients, shift_labels_across, sum_over_group
 from ._value_reads import has_values
 
 __all__ = [
@@ -42,6 +42,6 @@ __all__ = [
     "MATH", "PASSES", "PrefixGradSink", "RotaryRows", "Router", "SOFTCAP_BLOCK_ROWS", "STATS", "SequenceGroup",
     "StreamedLayerFunction",
     "backend_for", "backward_pass", "check_attention_mask", "chunk_attention", "cross_entropy", "current_pass", "decoder_layers", "forced_backend",
-    "has_values", "is_routed", "key_start", "pick_chunk_rows", "reduce_gradients", "row_bytes", "rowwise", "shift_labels",
+    "gather_over_group", "has_values", "is_routed", "key_start", "pick_chunk_rows", "reduce_gradients", "row_bytes", "rowwise", "shift_labels",
     "shift_labels_across", "sum_over_group", "token_stats", "trainable", "unroute", "uses_two_block_attention",
 ]

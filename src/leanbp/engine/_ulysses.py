@@ -73,6 +73,18 @@ class SequenceGroup:
                              f"whose length is a multiple of {self.size}); the ranks hold (batch, rows) {shapes}: pad "
                              "the sequence (labels -100, attention mask 0)")
 
+    def check_same_tensor(self, t: torch.Tensor, what: str) -> None:
+        """Every rank holds the same ``t`` (its shape and two checksums agree), else every rank raises
+        the same error: whole sequences that a trainer built on each rank of a group."""
+        flat = t.reshape(-1).long()
+        weights = torch.arange(1, flat.numel() + 1, device=flat.device)
+        mine = (tuple(t.shape), int(flat.sum()), int((flat * weights).sum()))  # (int64 wraps alike everywhere)
+        seen = [None] * self.size
+        dist.all_gather_object(seen, mine, group=self.group)
+        if len(set(seen)) != 1:
+            raise ValueError(f"the ranks of a sequence-parallel group were given different {what}: they must score the "
+                             "same sequences (same batches, and for GRPO/RLOO the same sampled completions)")
+
     def all_gather_rows(self, local: torch.Tensor) -> torch.Tensor:
         """(B, T/P, ...) on every rank -> (B, T, ...), the ranks' rows in order."""
         parts = [torch.empty_like(local) for _ in range(self.size)]
@@ -252,22 +264,48 @@ class _UlyssesAttention(torch.autograd.Function):
 
 
 class _SumOverGroup(torch.autograd.Function):
-    """Forward: the sum over the group, on every rank. Backward: the gradient passes unchanged to this
-    rank's share, so that the ranks' parameter gradients, summed by ``reduce_gradients``, are those of
-    the one objective (not P copies of it)."""
+    """Forward: the sum over the group, on every rank. Backward: the gradient passes to this rank's
+    share (times ``grad_scale``), so that the ranks' parameter gradients, summed by
+    ``reduce_gradients``, are those of the one objective (not P copies of it)."""
 
     @staticmethod
-    def forward(ctx, t, sp: SequenceGroup):
+    def forward(ctx, t, sp: SequenceGroup, grad_scale: float):
+        ctx.grad_scale = grad_scale
         return sp.all_reduce_sum(t)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad * ctx.grad_scale if ctx.grad_scale != 1 else grad, None, None
 
 
-def sum_over_group(t: torch.Tensor, sp: SequenceGroup) -> torch.Tensor:
-    """``t`` summed over the sequence-parallel group (see ``_SumOverGroup``)."""
-    return _SumOverGroup.apply(t, sp)
+def sum_over_group(t: torch.Tensor, sp: SequenceGroup, grad_scale: float = 1.0) -> torch.Tensor:
+    """``t`` summed over the sequence-parallel group (see ``_SumOverGroup``). ``grad_scale`` P: for
+    an engine that averages the gradients over the group's ranks instead of summing them."""
+    return _SumOverGroup.apply(t, sp, grad_scale)
+
+
+class _GatherOverGroup(torch.autograd.Function):
+    """Forward: every rank's (B, T/P, ...) rows in order, (B, T, ...), on every rank. Backward: this
+    rank's rows of the gradient (times ``grad_scale``). Every rank computes the same objective from
+    the gathered tensor, so each holds the same gradient of it; taking its own rows makes the ranks'
+    parameter gradients the shares of the one objective, as ``_SumOverGroup`` does for a sum."""
+
+    @staticmethod
+    def forward(ctx, local, sp: SequenceGroup, grad_scale: float):
+        ctx.sp, ctx.rows, ctx.grad_scale = sp, local.shape[1], grad_scale
+        return sp.all_gather_rows(local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start = ctx.sp.offset(ctx.rows)
+        mine = grad[:, start: start + ctx.rows]
+        return (mine * ctx.grad_scale if ctx.grad_scale != 1 else mine.clone()), None, None
+
+
+def gather_over_group(local: torch.Tensor, sp: SequenceGroup, grad_scale: float = 1.0) -> torch.Tensor:
+    """The whole sequence's rows of ``local`` (per-token results, (B, T/P, ...)) on every rank, with
+    a gradient that goes back to this rank's rows (see ``_GatherOverGroup``)."""
+    return _GatherOverGroup.apply(local, sp, grad_scale)
 
 
 def shift_labels_across(sp: SequenceGroup, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -288,5 +326,5 @@ def reduce_gradients(parameters, group=None) -> None:
             dist.all_reduce(p.grad, group=group)
 
 
-__all__ = ["Exchange", "HeadSplit", "SequenceGroup", "gather_kv", "reduce_gradients", "scatter_kv_grads",
-           "shift_labels_across", "sum_over_group"]
+__all__ = ["Exchange", "HeadSplit", "SequenceGroup", "gather_kv", "gather_over_group", "reduce_gradients",
+           "scatter_kv_grads", "shift_labels_across", "sum_over_group"]

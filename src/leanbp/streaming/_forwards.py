@@ -26,9 +26,10 @@ from torch import nn
 
 from ..distributed import gathers_per_call
 from ..engine import (IGNORE_INDEX, AutocastState, HeadCall, LogitTransform, check_attention_mask, cross_entropy,
-                      decoder_layers, rowwise, shift_labels, shift_labels_across, sum_over_group, token_stats,
-                      trainable)
+                      decoder_layers, gather_over_group, rowwise, shift_labels, shift_labels_across, sum_over_group,
+                      token_stats, trainable)
 from ._fused_head import fused_head_spec, fused_output
+from ._sequence import rows_of
 from ._state import StreamState, causal_lm_of, state_of
 
 # arguments that do not change what a streamed call computes: varlen metadata of packed rows (the
@@ -255,13 +256,17 @@ def _head_loss(state: StreamState, hidden: torch.Tensor, norm: nn.Module, scratc
                     input_is_scratch=scratch and grad, defer_param_grads=defer_param_grads)
     loss = cross_entropy(hidden, call, denominator, partial(_head_params, norm, lm_head))
     if state.sequence is not None:  # the whole sequence's loss on every rank; each backpropagates its rows' share
-        loss = sum_over_group(loss, state.sequence)
+        # (times P for whole-sequence calls: the trainer's engine averages the ranks' gradients)
+        loss = sum_over_group(loss, state.sequence, state.sequence.size if state.whole_sequences else 1)
     return loss, call
 
 
 def _labels_forward(lm: nn.Module, state: StreamState, arguments: dict, with_aux: bool):
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
+    if state.whole_sequences:  # (a trainer's whole sequences: this rank's rows of them)
+        whole = {**_whole_inputs(state, arguments), "labels": arguments["labels"]}
+        arguments = {**arguments, **rows_of(state.sequence, whole)}
     labels = arguments["labels"]
     _check_targets(arguments, labels)
     hidden, norm, scratch, router_stats = _hidden_for_head(lm, state, arguments, router_stats=with_aux)
@@ -361,13 +366,13 @@ def _token_stats(lm: nn.Module, state: StreamState, arguments: dict, targets: to
 def _fused_head_forward(lm: nn.Module, state: StreamState, spec, arguments: dict, with_aux: bool):
     """TRL's ``fused_lm_head=True`` call, answered by leanbp's chunked per-token head with TRL's
     settings (temperature, logit scale, soft-capping, fp32 head, requested outputs)."""
-    if state.sequence is not None:
-        raise NotImplementedError("TRL's fused-head calls with sequence_parallel are not supported yet: TRL's "
-                                  "trainers score rows by their position in the whole sequence")
     pre_shifted = arguments.get("shift_labels")
     targets = pre_shifted if pre_shifted is not None else shift_labels(arguments["labels"])
-    stats, aux_loss = _token_stats(lm, state, arguments, targets, spec.transform, spec.fp32_head, spec.outputs,
-                                   with_aux)
+    if state.sequence is None:
+        stats, aux_loss = _token_stats(lm, state, arguments, targets, spec.transform, spec.fp32_head, spec.outputs,
+                                       with_aux)
+    else:
+        stats, aux_loss = _whole_sequence_stats(lm, state, spec, arguments, targets, with_aux)
     if pre_shifted is None:  # TRL scores rows 0..T-2 against labels 1..T-1
         stats = {name: t[:, :-1] for name, t in stats.items()}
         targets = targets[:, :-1]
@@ -375,6 +380,41 @@ def _fused_head_forward(lm: nn.Module, state: StreamState, spec, arguments: dict
     aux = None if aux_loss is None else (aux_loss, getattr(lm.config, "router_aux_loss_coef", 0.0))
     return fused_output(stats, targets.to(stats["log_probs"].device) != IGNORE_INDEX,
                         arguments.get("num_items_in_batch"), aux)
+
+
+def _whole_sequence_stats(lm: nn.Module, state: StreamState, spec, arguments: dict, targets: torch.Tensor,
+                          with_aux: bool):
+    """A fused-head call under sequence parallelism: TRL passes whole sequences and reads the
+    per-token results by their position in them (its masks, advantages and sums are (B, T)), so
+    this rank scores its rows of the targets (shifted over the whole sequence first) and the
+    results are gathered. Memory: what crosses ranks is (B, T) per statistic, not the logits."""
+    sp = state.sequence
+    if not state.whole_sequences:
+        raise NotImplementedError("TRL's fused-head calls on a model streamed with sequence_parallel: stream the "
+                                  "trainer instead, leanbp.integrations.trl.stream_trainer(trainer, "
+                                  "sequence_parallel=...), which hands each rank its rows of TRL's whole sequences")
+    T = targets.shape[1]
+    rows = rows_of(sp, {**_whole_inputs(state, arguments), "labels": targets})
+    local_targets = rows.pop("labels")
+    stats, aux_loss = _token_stats(lm, state, {**arguments, **rows}, local_targets, spec.transform, spec.fp32_head,
+                                   spec.outputs, with_aux)
+    return {name: _gathered(t, sp)[:, :T] for name, t in stats.items()}, aux_loss
+
+
+def _whole_inputs(state: StreamState, arguments: dict) -> dict:
+    """The inputs of a whole-sequence call, checked to be the same on every rank of the group."""
+    if arguments.get("inputs_embeds") is not None:
+        raise NotImplementedError("sequence parallelism with whole-sequence calls takes input_ids, not inputs_embeds")
+    state.sequence.check_same_tensor(arguments["input_ids"], "input_ids")
+    return {k: arguments.get(k) for k in ("input_ids", "attention_mask", "position_ids")}
+
+
+def _gathered(t: torch.Tensor, sp) -> torch.Tensor:
+    """This rank's per-token results -> the whole sequence's (gloo gathers no bools)."""
+    if t.dtype == torch.bool:
+        return sp.all_gather_rows(t.to(torch.uint8)).bool()
+    # the gradient back to this rank's rows, times P: the trainer's engine averages the ranks' gradients
+    return gather_over_group(t, sp, grad_scale=sp.size)
 
 
 def _warn_if_trl_head_outside(state: StreamState, lm: nn.Module) -> None:

@@ -21,7 +21,10 @@ def _group(model: nn.Module) -> SequenceGroup:
 def sequence_rows(model: nn.Module, t: torch.Tensor) -> torch.Tensor:
     """This rank's rows (dim 1) of a whole-sequence tensor: rank r takes rows [r T/P, (r+1) T/P).
     T must be a multiple of the group's size P (``sequence_batch`` pads a batch to one)."""
-    sp = _group(model)
+    return _rows(_group(model), t)
+
+
+def _rows(sp: SequenceGroup, t: torch.Tensor) -> torch.Tensor:
     T = t.shape[1]
     if T % sp.size:
         raise ValueError(f"a sequence of {T} rows does not split over {sp.size} ranks: pad it to a multiple of "
@@ -41,7 +44,11 @@ def sequence_batch(model: nn.Module, **batch: torch.Tensor | None) -> dict[str, 
     multiple of the group's size P: the appended rows carry no label (-100), are masked out and
     continue the positions. Exact for a causal model: a row appended at the end changes no
     earlier row, and a row without a label adds nothing to any loss or count."""
-    sp = _group(model)
+    return rows_of(_group(model), batch)
+
+
+def rows_of(sp: SequenceGroup, batch: dict) -> dict[str, torch.Tensor | None]:
+    """``sequence_batch`` for the group ``sp``."""
     given = {k: v for k, v in batch.items() if v is not None}
     unknown = set(given) - _PADDED
     if unknown:
@@ -58,7 +65,7 @@ def sequence_batch(model: nn.Module, **batch: torch.Tensor | None) -> dict[str, 
                 t = torch.cat([t, t[:, -1:] + torch.arange(1, pad + 1, device=t.device, dtype=t.dtype)], dim=1)
             else:
                 t = F.pad(t, (0, pad), value=_FILL[name])
-        out[name] = None if t is None else sequence_rows(model, t)
+        out[name] = None if t is None else _rows(sp, t)
     return out
 
 

@@ -25,6 +25,11 @@ class StreamState:
     last_chunk_rows: int | None = None
     # sequence parallelism: the processes that share each sequence (None: this process holds it whole)
     sequence: SequenceGroup | None = None
+    # under sequence parallelism, calls that pass whole sequences (a trainer that knows nothing of
+    # the split: ``stream_trainer(trainer, sequence_parallel=...)``): leanbp takes this rank's rows
+    # and returns the whole sequence's loss and per-token results on every rank; each rank's share
+    # of the gradient is multiplied by P, as the engines under a trainer average the ranks' gradients
+    whole_sequences: bool = False
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:
