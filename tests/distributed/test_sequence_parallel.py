@@ -2,7 +2,8 @@
 CPU processes (gloo), float64. Every rank's loss and the gradients summed over the group equal plain
 autograd on the whole sequence in one process, for the causal-LM loss and for a loss nonlinear in
 per-sequence sums (DPO's shape), across families, padding, packed documents, sliding windows
-(Mistral's on every layer, Gemma 3's on some), soft-capping, a mixture of experts, replicated K/V
+(Mistral's on every layer, Gemma 3's on some), soft-capping, a mixture of experts (with and without
+its load-balancing loss), replicated K/V
 heads (P = 4 > 2 K/V heads), chunks that do not divide a rank's rows, sequences that do not
 divide over P (padded by ``sequence_batch``), and host offload of the layer boundaries. Each world
 size is spawned once for all its cases."""
@@ -30,6 +31,7 @@ CASES = {
         SequenceCase(family="gemma2", padding="left"),  # soft-capped attention, its own block path
         SequenceCase(family="gemma3_text", window=6, padding="right"),  # sliding-window and global layers
         SequenceCase(family="qwen3_moe"),
+        SequenceCase(family="qwen3_moe", router_loss=True, padding="left", seq_len=40, chunk_size=6),
         SequenceCase(seq_len=40, chunk_size=6, documents=True, objective="pairwise"),  # 20 rows: chunks of 6, 6, 6, 2
         SequenceCase(seq_len=33, padding="left"),  # padded to 34 by sequence_batch
         SequenceCase(padding="left", offload=True, objective="pairwise"),
@@ -37,7 +39,8 @@ CASES = {
     4: [SequenceCase(padding="right", chunk_size=3),
         SequenceCase(family="qwen3", documents=True, objective="pairwise"),
         SequenceCase(seq_len=30, chunk_size=3, documents=True),  # padded to 32
-        SequenceCase(padding="right", chunk_size=3, offload=True)],
+        SequenceCase(padding="right", chunk_size=3, offload=True),
+        SequenceCase(family="qwen3_moe", router_loss=True, padding="right", chunk_size=3)],
 }
 
 

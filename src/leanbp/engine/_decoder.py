@@ -104,7 +104,12 @@ def decoder_layers(adapter: DecoderFamily, input_ids=None, inputs_embeds=None, a
     if sequence is not None and attention_mask is not None:  # (the keys every rank's queries may see)
         attention_mask = sequence.all_gather_rows(attention_mask)
     key_keep = KeyKeep.from_attention_mask(attention_mask, hidden.device)  # (one host read per forward)
-    stats = RouterStats(None if key_keep is None else key_keep.mask, B, T) if router_stats else None
+    stats = None
+    if router_stats:  # (under sequence parallelism: this rank's rows of the keep mask; sums over the group)
+        keep = None if key_keep is None else key_keep.mask
+        if keep is not None and sequence is not None:
+            keep = keep[:, sequence.offset(T): sequence.offset(T) + T]
+        stats = RouterStats(keep, B, T, sequence)
     autocast = AutocastState(hidden.device.type)
     sdpa = SdpaSwitches()  # (replayed around the layers' recompute, as autocast is)
     rows = pick_chunk_rows(chunk_size, chunk_memory, adapter, hidden, attention)
@@ -112,7 +117,7 @@ def decoder_layers(adapter: DecoderFamily, input_ids=None, inputs_embeds=None, a
     check_layers([adapter.layers()[i] for i in layers])
     heads = None
     if sequence is not None:
-        _check_sequence_parallel(sequence, rope, stats)
+        _check_sequence_parallel(sequence, rope)
         config = adapter.config
         heads = HeadSplit(config.num_attention_heads,
                           getattr(config, "num_key_value_heads", None) or config.num_attention_heads, sequence.size)
@@ -136,11 +141,8 @@ def decoder_layers(adapter: DecoderFamily, input_ids=None, inputs_embeds=None, a
     return DecoderOutput(hidden, stats, rows)
 
 
-def _check_sequence_parallel(sequence: SequenceGroup, rope, stats) -> None:
+def _check_sequence_parallel(sequence: SequenceGroup, rope) -> None:
     """What sequence parallelism does not do yet (every rank raises alike: the same settings)."""
-    if stats is not None:
-        raise NotImplementedError("sequence parallelism with the load-balancing loss (output_router_logits) is not "
-                                  "supported yet")
     if any(getattr(r, "_table", None) is not None for r in rope):
         raise NotImplementedError("sequence parallelism needs a rotary embedding whose angles depend on the position "
                                   "only (default, linear, llama3, yarn); dynamic NTK and longrope scale by the longest "

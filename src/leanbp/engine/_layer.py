@@ -187,7 +187,7 @@ class StreamedLayerFunction(torch.autograd.Function):
             raise NotImplementedError("a split backward (pipeline schedule 2bp) with sequence parallelism or offload is "
                                       "not supported yet")
         if call.sequence is not None:
-            return _sequence_parallel_backward(ctx, grad_out)
+            return _sequence_parallel_backward(ctx, grad_out, grad_prob_sum)
         hidden, *params = ctx.saved_tensors
         T = hidden.shape[1]
         chunks = call.chunks(T)
@@ -280,19 +280,25 @@ def _sequence_parallel_forward(ctx, hidden: torch.Tensor, call: LayerCall, param
     chunks = call.chunks(hidden.shape[1])
     out, rows, write = _forward_io(call, hidden, [(hidden, s, e) for s, e in chunks] * 2)
     device = call.offload.device if call.offload is not None else hidden.device
+    prob_sum = None  # (E,) router probabilities summed over this rank's rows, when asked for
     with torch.no_grad():
         exchange = call.exchange(rows, hidden.shape[1], device, chunks, grad=False)
         for s, e in chunks:
-            write(s, e, call.chunk_out(rows(s, e), None, None, s, e, exchange=exchange).out)
+            chunk = call.chunk_out(rows(s, e), None, None, s, e, exchange=exchange)
+            write(s, e, chunk.out)
+            if call.router_stats is not None:  # routings counted and probabilities summed (local rows)
+                chunk_sum = call.router_stats.chunk_prob_sum(chunk.router_logits, s, e, call.router)
+                prob_sum = chunk_sum if prob_sum is None else prob_sum + chunk_sum
+            del chunk  # Memory: one chunk's output and router logits at a time
     del exchange  # Memory: the gathered K/V live for one layer's forward
     if call.offload is not None:
         call.offload.finish()  # out is complete before autograd hands it on
     ctx.save_for_backward(hidden, *params)
     ctx.call = call
-    return out
+    return out if prob_sum is None else (out, prob_sum)
 
 
-def _sequence_parallel_backward(ctx, grad_out: torch.Tensor):
+def _sequence_parallel_backward(ctx, grad_out: torch.Tensor, grad_prob_sum: torch.Tensor | None = None):
     """Each chunk recomputed and backpropagated through everything but its K/V projections (its
     queries' gradient comes back through the exchange; dK/dV of every row it saw go into the sink);
     then dK/dV return to the rows' ranks in one exchange and go through the K/V projections.
@@ -339,14 +345,21 @@ def _sequence_parallel_backward(ctx, grad_out: torch.Tensor):
         hidden_c = rows(hidden, s, e).detach().requires_grad_(need_input)
         grad_c = rows(grad_out, s, e)
         with torch.enable_grad(), call.autocast(), call.sdpa():
-            out_c = call.chunk_out(hidden_c, None, None, s, e, exchange=exchange).out
+            chunk = call.chunk_out(hidden_c, None, None, s, e, exchange=exchange)
+            outputs, grad_outputs = [chunk.out], [grad_c]
+            if grad_prob_sum is not None:  # the load-balancing loss's share of this chunk
+                prob_sum_c = call.router_stats.chunk_prob_sum(chunk.router_logits, s, e)
+                if prob_sum_c.requires_grad:  # (not with a frozen router and input)
+                    outputs.append(prob_sum_c)
+                    grad_outputs.append(grad_prob_sum)
+        del chunk
         inputs = ([hidden_c] if need_input else []) + trainable
         with call.sdpa():
-            g = list(torch.autograd.grad(out_c, inputs, grad_c, allow_unused=True))
+            g = list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True))
         if need_input:
             write(dhidden, s, e, g.pop(0))
         grads.add(g)
-        del out_c, g
+        del outputs, g
     sink = exchange.sink
     all_rows = [sink.dkey if sink.dkey is not None else torch.zeros_like(exchange.key),
                 sink.dvalue if sink.dvalue is not None else torch.zeros_like(exchange.value)]

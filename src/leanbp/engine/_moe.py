@@ -13,6 +13,10 @@ rows' counts and probabilities chunk by chunk in forward (E numbers each, no T-s
 returns the probability sum as a second output of its Function; autograd then hands that output the
 gradient d aux / d P_l = E f / N, the same for every token of the layer, and the layer's backward
 adds it to each recomputed chunk's probability sum. The gradient is exact, the routing is never kept.
+
+Under sequence parallelism each rank sums its own rows; the counts, the token count and the
+probability sums are summed over the group (the last with the gradient of this rank's share), so
+every rank has the whole sequence's loss, as for the cross-entropy.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import torch
 class RouterStats:
     """The routing statistics of one streamed forward, filled layer by layer."""
 
-    def __init__(self, key_keep: torch.Tensor | None, batch: int, length: int):
+    def __init__(self, key_keep: torch.Tensor | None, batch: int, length: int, sequence=None):
+        self.sequence = sequence  # a SequenceGroup: the rows are this rank's of a shared sequence
         self.key_keep = key_keep  # (B, T) bool or None: padded tokens do not count (as in transformers)
         # tokens each layer counts (a tensor: no host sync)
         self.tokens = key_keep.sum() if key_keep is not None else torch.tensor(batch * length)
@@ -57,11 +62,19 @@ class RouterStats:
             counts.scatter_add_(0, chosen.reshape(-1), ones.reshape(-1))
             self.counts = counts if self.counts is None else self.counts + counts
 
-    def loss(self) -> torch.Tensor | None:
-        """transformers' auxiliary loss, differentiable through every layer's probability sum."""
+    def loss(self, grad_scale: float = 1.0) -> torch.Tensor | None:
+        """transformers' auxiliary loss, differentiable through every layer's probability sum
+        (``grad_scale``: as ``sum_over_group`` takes it, under sequence parallelism)."""
         if not self.prob_sums:
             return None
         prob_sum = torch.stack(self.prob_sums).sum(0)  # (E,)
-        rows = self.tokens.to(prob_sum) * len(self.prob_sums)
-        fraction = self.counts.to(prob_sum.dtype) / rows
-        return (fraction * (prob_sum / rows)).sum() * self.counts.numel()  # (E experts)
+        tokens, counts = self.tokens, self.counts
+        if self.sequence is not None:  # (E + 1 numbers cross ranks, and E back in backward)
+            from ._ulysses import sum_over_group
+
+            tokens = self.sequence.all_reduce_sum(tokens.to(counts.device))
+            counts = self.sequence.all_reduce_sum(counts)
+            prob_sum = sum_over_group(prob_sum, self.sequence, grad_scale)
+        rows = tokens.to(prob_sum) * len(self.prob_sums)
+        fraction = counts.to(prob_sum.dtype) / rows
+        return (fraction * (prob_sum / rows)).sum() * counts.numel()  # (E experts)

@@ -256,9 +256,15 @@ def _head_loss(state: StreamState, hidden: torch.Tensor, norm: nn.Module, scratc
                     input_is_scratch=scratch and grad, defer_param_grads=defer_param_grads)
     loss = cross_entropy(hidden, call, denominator, partial(_head_params, norm, lm_head))
     if state.sequence is not None:  # the whole sequence's loss on every rank; each backpropagates its rows' share
-        # (times P for whole-sequence calls: the trainer's engine averages the ranks' gradients)
-        loss = sum_over_group(loss, state.sequence, state.sequence.size if state.whole_sequences else 1)
+        loss = sum_over_group(loss, state.sequence, _grad_scale(state))
     return loss, call
+
+
+def _grad_scale(state: StreamState) -> float:
+    """What a rank's share of a sum over the group is multiplied by in backward: P for whole-sequence
+    calls (the trainer's engine averages the ranks' gradients), else 1 (``reduce_sequence_gradients``
+    sums them)."""
+    return state.sequence.size if state.sequence is not None and state.whole_sequences else 1
 
 
 def _labels_forward(lm: nn.Module, state: StreamState, arguments: dict, with_aux: bool):
@@ -281,7 +287,7 @@ def _labels_forward(lm: nn.Module, state: StreamState, arguments: dict, with_aux
             logits = call.transform.apply_(logits.to(torch.promote_types(logits.dtype, torch.float32))).to(logits.dtype)
     if router_stats is None:
         return CausalLMOutputWithPast(loss=loss, logits=logits)
-    aux_loss = router_stats.loss()
+    aux_loss = router_stats.loss(_grad_scale(state))
     # transformers weighs it with the model's attribute (set from the config when the model was built)
     coef = getattr(lm, "router_aux_loss_coef", None)
     loss = loss + (lm.config.router_aux_loss_coef if coef is None else coef) * aux_loss.to(loss.dtype)
@@ -360,7 +366,7 @@ def _token_stats(lm: nn.Module, state: StreamState, arguments: dict, targets: to
                     chunk_size=state.config.head_chunk_size, autocast=AutocastState(hidden.device.type),
                     transform=transform, fp32_head=fp32_head, input_is_scratch=scratch and torch.is_grad_enabled())
     out = token_stats(hidden, call, stats, partial(_head_params, norm, lm_head))
-    return out, None if router_stats is None else router_stats.loss()
+    return out, None if router_stats is None else router_stats.loss(_grad_scale(state))
 
 
 def _fused_head_forward(lm: nn.Module, state: StreamState, spec, arguments: dict, with_aux: bool):
@@ -413,8 +419,7 @@ def _gathered(t: torch.Tensor, sp) -> torch.Tensor:
     """This rank's per-token results -> the whole sequence's (gloo gathers no bools)."""
     if t.dtype == torch.bool:
         return sp.all_gather_rows(t.to(torch.uint8)).bool()
-    # the gradient back to this rank's rows, times P: the trainer's engine averages the ranks' gradients
-    return gather_over_group(t, sp, grad_scale=sp.size)
+    return gather_over_group(t, sp, grad_scale=sp.size)  # (whole-sequence calls only: see _grad_scale)
 
 
 def _warn_if_trl_head_outside(state: StreamState, lm: nn.Module) -> None:

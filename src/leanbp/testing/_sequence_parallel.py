@@ -34,12 +34,13 @@ class SequenceCase:
     window: int | None = None  # a sliding window (mistral, qwen2)
     objective: str = "lm"
     offload: bool = False  # the layer boundaries and their gradients in host memory
+    router_loss: bool = False  # a mixture of experts' load-balancing loss in the loss (output_router_logits)
 
     @property
     def name(self) -> str:
         return "-".join(str(x) for x in (self.family, self.seq_len, self.chunk_size, self.padding,
                                           "docs" if self.documents else "", self.window or "", self.objective,
-                                          "offload" if self.offload else "") if x != "")
+                                          "offload" if self.offload else "", "aux" if self.router_loss else "") if x != "")
 
 
 def _model(case: SequenceCase):
@@ -50,8 +51,9 @@ def _model(case: SequenceCase):
 
     torch.manual_seed(0)
     config = tiny_config(case.family, case.window)
-    if hasattr(config, "output_router_logits"):  # (the load-balancing loss is not sequence-parallel yet)
-        config.output_router_logits = False
+    if hasattr(config, "output_router_logits"):
+        config.output_router_logits = case.router_loss
+        config.router_aux_loss_coef = 1.0  # (not 0.001: an error in its gradient must show at 1e-12)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float64)
     return randomize_for_checks(model).train()
 
