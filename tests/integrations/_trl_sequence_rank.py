@@ -47,6 +47,9 @@ def _record_splits(splits: list) -> None:
 def main(out: str) -> None:
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
+    # (a case whose policy is saved and reloaded waits for rank 0's files before its trainer exists;
+    # accelerate takes this group over)
+    torch.distributed.init_process_group("gloo")
     splits = []
     _record_splits(splits)
     for name in CASES:

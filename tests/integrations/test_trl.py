@@ -102,11 +102,12 @@ def _train(trainer_cls, config_cls, dataset, tmp_path, leanbp_order=None, ref=Fa
     if config.get("beta", 0) > 0 and not peft:
         # GRPOTrainer loads its reference model from the policy's config._name_or_path; under
         # torch.distributed only rank 0 writes, into the folder every rank is given, then all read
-        model.save_pretrained(tmp_path.parent / "init" if sequence_parallel else tmp_path / "init")
+        folder = tmp_path.parent / "init" if sequence_parallel else tmp_path / "init"
+        if not sequence_parallel or torch.distributed.get_rank() == 0:
+            model.save_pretrained(folder)
         if sequence_parallel:
             torch.distributed.barrier()
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            tmp_path.parent / "init" if sequence_parallel else tmp_path / "init", dtype=torch.float64)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
     if leanbp_order == "before":
         leanbp.stream(model, **CHUNKS)
     extra = {"reward_funcs": reward_funcs} if reward_funcs is not None else {}

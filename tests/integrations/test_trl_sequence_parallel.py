@@ -1,11 +1,10 @@
 """TRL's trainers with sequence parallelism: ``stream_trainer(trainer, sequence_parallel=True)`` on
 2 CPU processes (gloo), launched once by torchrun for every case. SFT (padded, packed), DPO (with
-a reference model, streamed too) and GRPO (sampled completions, beta = 0) each train two optimizer
-steps in float64; every rank's gradients (at both steps, as the trainer's DDP averaged them) and
-its parameters after step 2 must equal one process's streamed run to 1e-12. GRPO with beta > 0
-is not in the list: it differs from one process by up to 5e-8 in the first layer's gradients
-(measured 2026-12-06; docs/multi-gpu.md). The same launch checks that ranks handed different
-sequences are refused."""
+a reference model, streamed too) and GRPO (sampled completions; beta = 0, and beta > 0 with the
+reference model TRL loads from the policy's folder) each train two optimizer steps in float64;
+every rank's gradients (at both steps, as the trainer's DDP averaged them) and its parameters
+after step 2 must equal one process's streamed run to 1e-12. The same launch checks that ranks
+handed different sequences are refused."""
 
 from __future__ import annotations
 
@@ -35,6 +34,10 @@ CASES = {
     "grpo": (trl.GRPOTrainer, trl.GRPOConfig, t._prompt_data,
              dict(reward_funcs=t._digit_reward, per_device_train_batch_size=4, num_generations=4,
                   max_completion_length=6, beta=0.0, temperature=0.9)),
+    # the KL term's gradient is 0 at step 1 (policy = reference) and 2% of the gradient at step 2
+    "grpo-kl": (trl.GRPOTrainer, trl.GRPOConfig, t._prompt_data,
+                dict(reward_funcs=t._digit_reward, per_device_train_batch_size=4, num_generations=4,
+                     max_completion_length=6, beta=0.04, temperature=0.9)),
 }
 
 

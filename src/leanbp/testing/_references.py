@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import types
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -29,15 +29,40 @@ def patch_full_precision_norms(model: nn.Module) -> list[nn.Module]:
     Without this, a float64 model's norm backward rounds to float32, and any reordering of the same
     sums (which is all a chunked backward is) shows up as ~1e-7 differences that say nothing about
     the chunking. Used for verification only; the function computed is the same.
+
+    Each norm gets a subclass of its class with the float64 forward (``restore_norms`` puts the
+    class back), not an instance ``forward``: transformers (5.25 with the ``kernels`` package)
+    re-kernelizes a model loaded by ``from_pretrained`` on every ``train()``/``eval()`` switch, and
+    that drops any instance ``forward`` of a norm, so GRPO's generate-then-train loop used to run
+    its norms in float32 from the first switch on.
     """
     family = adapter_class(model)
     patched = []
     for module in model.modules():
         forward = family.full_precision_norm(module)
-        if forward is not None:
-            module.forward = types.MethodType(forward, module)
+        if forward is not None and not getattr(type(module), "_leanbp_full_precision", False):
+            module.__class__ = _full_precision_class(type(module), forward)
             patched.append(module)
     return patched
+
+
+def restore_norms(norms: list[nn.Module]) -> None:
+    """Undo ``patch_full_precision_norms`` on the norms it returned."""
+    for module in norms:
+        if getattr(type(module), "_leanbp_full_precision", False):
+            module.__class__ = type(module).__bases__[0]
+
+
+_FULL_PRECISION_CLASSES: dict = {}
+
+
+def _full_precision_class(cls: type, forward) -> type:
+    key = (cls, forward.func, tuple(forward.keywords.items())) if isinstance(forward, partial) else (cls, forward)
+    if key not in _FULL_PRECISION_CLASSES:
+        _FULL_PRECISION_CLASSES[key] = type(cls.__name__, (cls,), {
+            "forward": lambda self, *args, **kwargs: forward(self, *args, **kwargs),
+            "_leanbp_full_precision": True, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return _FULL_PRECISION_CLASSES[key]
 
 
 _EXACT_EAGER = "leanbp_exact_eager"
@@ -89,9 +114,7 @@ def full_precision_norms(*models: nn.Module):
     try:
         yield
     finally:
-        for module in patched:
-            if "forward" in vars(module):  # (TRL's GRPO run with transformers 5.25 can leave it gone by now)
-                del module.forward
+        restore_norms(patched)
         for model in eager:
             model.config._attn_implementation = "eager"
 
