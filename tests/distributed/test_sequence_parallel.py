@@ -5,12 +5,14 @@ per-sequence sums (DPO's shape), across families, padding, packed documents, sli
 (Mistral's on every layer, Gemma 3's on some), soft-capping, a mixture of experts (with and without
 its load-balancing loss), replicated K/V
 heads (P = 4 > 2 K/V heads), chunks that do not divide a rank's rows, sequences that do not
-divide over P (padded by ``sequence_batch``), and host offload of the layer boundaries. Each world
-size is spawned once for all its cases."""
+divide over P (padded by ``sequence_batch``), and host offload of the layer boundaries; on 4
+processes, ``sequence_parallel=True`` takes the groups of 2 that DeepSpeed set up (each group its
+own sequences). Each world size is spawned once for all its cases."""
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import pytest
 import torch
@@ -42,6 +44,11 @@ CASES = {
         SequenceCase(padding="right", chunk_size=3, offload=True),
         SequenceCase(family="qwen3_moe", router_loss=True, padding="right", chunk_size=3)],
 }
+# DeepSpeed's sequence-parallel groups (accelerate's ParallelismConfig(sp_size=2, sp_backend="deepspeed")
+# has them made): 2 groups of 2 in the world of 4
+DEEPSPEED_GROUPS = SequenceCase(family="qwen3", padding="left", deepspeed_groups=2)
+if importlib.util.find_spec("deepspeed") is not None:
+    CASES[4].append(DEEPSPEED_GROUPS)
 
 
 @functools.cache
@@ -59,6 +66,15 @@ def test_every_rank_has_the_whole_sequences_loss_and_the_summed_gradients_are_pl
         assert "error" not in result, result["error"]
         assert abs(result["loss"] - result["reference_loss"]) <= TOL * abs(result["reference_loss"])
         assert result["worst_grad_error"] <= TOL
+
+
+def test_sequence_parallel_true_takes_the_groups_deepspeed_set_up():
+    pytest.importorskip("deepspeed")
+    per_rank = _runs(4)[DEEPSPEED_GROUPS.name]  # (exact: the test above)
+    assert all(r.get("deepspeeds_group") for r in per_rank), per_rank
+    assert [(r["group_size"], r["group_rank"]) for r in per_rank] == [(2, 0), (2, 1), (2, 0), (2, 1)]
+    losses = [r["loss"] for r in per_rank]
+    assert losses[0] == losses[1] and losses[2] == losses[3] and losses[0] != losses[2]  # (each group its sequences)
 
 
 def test_the_heads_must_split_over_the_group():

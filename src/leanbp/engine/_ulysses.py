@@ -60,6 +60,12 @@ class SequenceGroup:
                                "init_process_group) with the sequence-parallel ranks in one group")
         return SequenceGroup(group, dist.get_rank(group), dist.get_world_size(group))
 
+    @staticmethod
+    def set_up() -> "SequenceGroup":
+        """The group ``sequence_parallel=True`` means: the sequence-parallel group DeepSpeed has set
+        up, else every process."""
+        return SequenceGroup.of(deepspeed_sequence_group())
+
     def offset(self, local_rows: int) -> int:
         """Global row of this rank's first local row."""
         return self.rank * local_rows
@@ -102,6 +108,26 @@ class SequenceGroup:
         out = torch.empty_like(send)
         dist.all_to_all_single(out, send, group=self.group)
         return out
+
+
+def deepspeed_sequence_group():
+    """DeepSpeed's sequence-parallel process group of this rank, or None where there is none.
+    DeepSpeed makes it in ``UlyssesSPAttentionHF.register_with_transformers`` (which accelerate's
+    ``ParallelismConfig(sp_size=P, sp_backend="deepspeed")`` calls in ``prepare``; the parallel-state
+    module keeps it), or in ``deepspeed.initialize(mpu=..., mesh_param=(dp, sp))`` (the groups
+    module). Only looked up where DeepSpeed is imported already: leanbp never imports it for this."""
+    import sys
+
+    state = sys.modules.get("deepspeed.runtime.sequence_parallel.parallel_state_sp")
+    if state is not None and getattr(state, "_SEQUENCE_PARALLEL_GROUP", None) is not None:
+        return state._SEQUENCE_PARALLEL_GROUP
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None and (getattr(groups, "mpu", None) is not None or getattr(groups, "mesh_device", None)):
+        try:
+            return groups._get_sequence_parallel_group()
+        except (KeyError, AssertionError, AttributeError, RuntimeError):  # (an mpu or mesh without that dimension)
+            return None
+    return None
 
 
 @dataclass(frozen=True)

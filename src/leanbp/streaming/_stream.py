@@ -63,10 +63,11 @@ def stream(model: nn.Module, config: StreamConfig | None = None, *old_positional
     Calls with ``labels`` return ``loss`` (and ``logits=None`` in training); TRL's fused-head calls
     return per-token log-probs; both are chunked. Returns ``model``. Undo with :func:`unstream`.
 
-    ``sequence_parallel``: a process group (or ``True``: the default group) whose ranks share each
-    sequence, Ulysses-style (``leanbp.engine._ulysses``): every rank passes its own T/P consecutive
-    rows of the inputs and labels (``sequence_batch``), the loss is the whole sequence's on every
-    rank, and ``reduce_sequence_gradients(model)`` sums the gradients over the group once per step.
+    ``sequence_parallel``: a process group (or ``True``: DeepSpeed's sequence-parallel group where it
+    has set one up, else the default group) whose ranks share each sequence, Ulysses-style
+    (``leanbp.engine._ulysses``): every rank passes its own T/P consecutive rows of the inputs and
+    labels (``sequence_batch``), the loss is the whole sequence's on every rank, and
+    ``reduce_sequence_gradients(model)`` sums the gradients over the group once per step.
     (A ``leanbp.engine.SequenceGroup`` is taken as it is: ``leanbp plan`` streams its fake models
     with a group that moves nothing.)
     """
@@ -108,7 +109,7 @@ def _sequence_group(sequence_parallel, config: StreamConfig) -> SequenceGroup | 
         raise ValueError("sequence_parallel splits the streamed layers' rows: it needs layers=True")
     if isinstance(sequence_parallel, SequenceGroup):  # (one built already: the planner's fake group)
         return sequence_parallel
-    return SequenceGroup.of(None if sequence_parallel is True else sequence_parallel)
+    return SequenceGroup.set_up() if sequence_parallel is True else SequenceGroup.of(sequence_parallel)
 
 
 def resolve_config(config, overrides: dict, old_positional: tuple = (), old_names: tuple = ()) -> StreamConfig:
