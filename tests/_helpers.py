@@ -73,3 +73,17 @@ def plan_config(layers=4, **extra):
                                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                               vocab_size=512, max_position_embeddings=4096,
                                               tie_word_embeddings=False, attn_implementation="sdpa"), **extra})
+
+
+def torchrun(script: Path, out: str, world: int) -> str:
+    """One ``torchrun`` launch of ``world`` CPU ranks of ``script`` (beside the tests: it imports
+    them) with the argument ``out``; returns the tail of its output, for a failing test to show."""
+    import subprocess
+    import sys
+
+    here = script.resolve().parent
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+                           str(script), out], env=env, capture_output=True, text=True, timeout=900)
+    return done.stdout[-4000:] + done.stderr[-4000:]

@@ -77,6 +77,37 @@ def test_sequence_parallel_true_takes_the_groups_deepspeed_set_up():
     assert losses[0] == losses[1] and losses[2] == losses[3] and losses[0] != losses[2]  # (each group its sequences)
 
 
+def test_a_model_streamed_without_sequence_parallel_under_deepspeeds_ulysses_is_refused(monkeypatch):
+    """DeepSpeed's groups set up (as accelerate's ParallelismConfig(sp_size) does) mean each rank holds
+    a slice of the sequence; streamed layers without the exchange would attend within the slice."""
+    import sys
+    import types
+
+    model = tiny_model("llama")
+    leanbp.stream(model)
+    ids = torch.arange(8).unsqueeze(0)
+    model(input_ids=ids, labels=ids).loss.backward()  # (no groups: trains)
+    state = types.ModuleType("deepspeed.runtime.sequence_parallel.parallel_state_sp")
+    state._SEQUENCE_PARALLEL_GROUP = object()
+    monkeypatch.setitem(sys.modules, state.__name__, state)
+    with pytest.raises(RuntimeError, match="DeepSpeed's Ulysses sequence parallelism is set up"):
+        model(input_ids=ids, labels=ids)
+    with torch.no_grad():
+        model(input_ids=ids, labels=ids)  # (no graph: evaluation runs whole sequences, DeepSpeed's default)
+
+
+def test_pre_shifted_labels_under_sequence_parallelism_are_refused():
+    """DeepSpeed's data loader hands each rank shift_labels (and transformers copies them to labels):
+    leanbp would shift them again."""
+    model = tiny_model("llama")
+    leanbp.stream(model)
+    from leanbp.streaming._state import state_of
+    state_of(model).sequence = SequenceGroup(group=None, rank=0, size=2)  # (as a group of 2 would hold it)
+    ids = torch.arange(8).unsqueeze(0)
+    with pytest.raises(ValueError, match="shift_labels under sequence parallelism"):
+        model(input_ids=ids, labels=ids, shift_labels=ids)
+
+
 def test_the_heads_must_split_over_the_group():
     with pytest.raises(ValueError, match="divide the number of query heads"):
         HeadSplit(q_heads=6, kv_heads=2, size=4)

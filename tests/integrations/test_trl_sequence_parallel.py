@@ -9,9 +9,6 @@ handed different sequences are refused."""
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +18,7 @@ trl = pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
 import test_trl as t  # noqa: E402
+from _helpers import torchrun  # noqa: E402
 
 WORLD = 2
 TOL = t.TOL
@@ -51,13 +49,7 @@ def run_case(name: str, folder: Path, sequence_parallel=None):
 @functools.cache
 def _launch(out: str) -> str:
     """One torchrun launch of WORLD ranks for every case; returns its output."""
-    here = Path(__file__).resolve().parent
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-                           str(here / "_trl_sequence_rank.py"), out], env=env, capture_output=True, text=True,
-                          timeout=900)
-    return done.stdout[-4000:] + done.stderr[-4000:]
+    return torchrun(Path(__file__).parent / "_trl_sequence_rank.py", out, WORLD)
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +74,39 @@ def test_a_whole_sequence_labels_call_has_the_loss_and_gradients_of_one_process(
         assert saved.exists(), log
         loss_error, grad_error = map(float, saved.read_text().split())
         assert loss_error <= TOL and grad_error <= TOL, (loss_error, grad_error)
+
+
+@pytest.mark.parametrize("split, sequence_parallel, refusal", [
+    (dict(sp_size=2), True, "leave sequence_parallel out"),
+    (dict(cp_size=2), None, "cp_size > 1"),
+    (dict(sp_size=2, sp_handler="sliced eval"), None, "sp_disable_in_eval=False"),
+    (dict(sp_size=2), None, None)])
+def test_a_trainer_whose_parallelism_config_splits_the_sequence_is_followed_or_refused(split, sequence_parallel,
+                                                                                       refusal):
+    """TRL's own split (accelerate's ParallelismConfig(sp_size=P), DeepSpeed's Ulysses loader) is
+    followed by stream_trainer(trainer); what leanbp does not follow is refused before the model is
+    touched (the run itself: test_trl_deepspeed_sequence_parallel.py)."""
+    from types import SimpleNamespace
+
+    from accelerate import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    import leanbp
+    from leanbp.integrations.trl import stream_trainer
+    from leanbp.streaming import state_of
+
+    if split.get("sp_handler"):
+        split["sp_handler"] = DeepSpeedSequenceParallelConfig(sp_disable_in_eval=False)
+    model = t.tiny_model()
+    trainer = SimpleNamespace(model=model, args=SimpleNamespace(gradient_checkpointing=True),
+                              accelerator=SimpleNamespace(parallelism_config=ParallelismConfig(**split)))
+    if refusal is not None:
+        with pytest.raises(ValueError, match=refusal):
+            stream_trainer(trainer, sequence_parallel=sequence_parallel)
+        assert not leanbp.is_streamed(model) and trainer.args.gradient_checkpointing
+    else:
+        stream_trainer(trainer)
+        assert state_of(model).presliced and state_of(model).sequence is None  # (DeepSpeed's group: at the first call)
 
 
 def test_a_fused_head_call_under_sequence_parallelism_outside_stream_trainer_is_refused_with_the_fix():

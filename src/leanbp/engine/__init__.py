@@ -32,14 +32,14 @@ from ._masks import ATTENTION_MODES, ChunkMasks, Documents, KeyKeep, PrefixGradS
 from ._module_call import is_routed, unroute
 from ._softcap_attention import BLOCK_ROWS as SOFTCAP_BLOCK_ROWS
 from ._split import PASSES, backward_pass, current_pass
-from ._ulysses import SequenceGroup, gather_over_group, reduce_gradients, shift_labels_across, sum_over_group
+from ._ulysses import SequenceGroup, deepspeed_sequence_group, gather_over_group, reduce_gradients, shift_labels_across, sum_over_group
 from ._value_reads import has_values
 
 __all__ = [
     "ATTENTION_MODES", "AUTO", "AutocastState", "CPU_FLASH", "CUDA_KERNELS", "ChunkMasks",
     "ChunkedCrossEntropyFunction", "ChunkedTokenStatsFunction", "CudaKernels", "DEFAULT_ROWS", "DecoderFamily",
     "DecoderOutput", "Documents", "HeadCall", "IGNORE_INDEX", "KeyKeep", "LayerCall", "LayerChunk", "LogitTransform",
-    "MATH", "PASSES", "PrefixGradSink", "RotaryRows", "Router", "SOFTCAP_BLOCK_ROWS", "STATS", "SequenceGroup",
+    "MATH", "PASSES", "PrefixGradSink", "RotaryRows", "Router", "SOFTCAP_BLOCK_ROWS", "STATS", "SequenceGroup", "deepspeed_sequence_group",
     "StreamedLayerFunction",
     "backend_for", "backward_pass", "check_attention_mask", "chunk_attention", "cross_entropy", "current_pass", "decoder_layers", "forced_backend",
     "gather_over_group", "has_values", "is_routed", "key_start", "pick_chunk_rows", "reduce_gradients", "row_bytes", "rowwise", "shift_labels",

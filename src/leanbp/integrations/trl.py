@@ -23,6 +23,11 @@ for the whole sequence, so TRL's masks, advantages and sums are its own. Each ra
 its rows' share, times P, and the trainer's DDP/FSDP/DeepSpeed engine averages the ranks'
 gradients as it does for data parallelism: the group's P shares add up to the sequence's gradient.
 Metrics TRL sums over processes (``num_tokens``) count each group's batch P times.
+
+**TRL's own split** (SFT with accelerate's ``ParallelismConfig(sp_size=P, sp_backend="deepspeed")``:
+DeepSpeed's Ulysses loader hands each rank its slice of every sequence): ``stream_trainer(trainer)``
+follows it; training calls stream over DeepSpeed's group and return the slice's loss and per-token
+results, which transformers' Trainer weighs and DeepSpeed sums, as for DeepSpeed's own attention.
 """
 
 from __future__ import annotations
@@ -39,8 +44,10 @@ def stream_trainer(trainer, config: StreamConfig | None = None, *old_positional,
     ``config`` and ``overrides`` (as ``leanbp.stream``), and switch the trainer's activation
     checkpointing off. With ``offload``, a reference model (which builds no graph) keeps nothing
     on the host. ``sequence_parallel``: ``True`` (every process shares each sequence) or a process
-    group of P consecutive ranks (see the module's docstring). Returns the trainer."""
+    group of P consecutive ranks (see the module's docstring); a trainer whose parallelism_config
+    splits the sequence itself is followed without it. Returns the trainer."""
     config = resolve_config(config, overrides, old_positional, _OLD_POSITIONAL)
+    presliced = _presliced(trainer, sequence_parallel)
     for name in ("activation_checkpointing", "gradient_checkpointing"):  # transformers 5 keeps both fields
         if getattr(trainer.args, name, False):
             setattr(trainer.args, name, False)
@@ -55,7 +62,30 @@ def stream_trainer(trainer, config: StreamConfig | None = None, *old_positional,
         stream(model, config, sequence_parallel=sequence_parallel)
         if sequence_parallel is not None and sequence_parallel is not False:
             state_of(lm).whole_sequences = True  # (TRL passes whole sequences)
+        state_of(lm).presliced = presliced
     return trainer
+
+
+def _presliced(trainer, sequence_parallel) -> bool:
+    """Whether the trainer's own sequence parallelism hands each rank a slice of every sequence
+    (accelerate's ``ParallelismConfig(sp_size=P, sp_backend="deepspeed")``: DeepSpeed's Ulysses data
+    loader, TRL's SFT and transformers' Trainer); refuses what leanbp does not follow."""
+    pc = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
+    if pc is None:
+        return False
+    if getattr(pc, "cp_enabled", False):
+        raise ValueError("the trainer's parallelism_config has cp_size > 1 (ring attention over load-balanced "
+                         "shards), which leanbp's streamed layers do not follow: use sp_size (DeepSpeed's Ulysses), or "
+                         "leave it out and call stream_trainer(trainer, sequence_parallel=True)")
+    if not getattr(pc, "sp_enabled", False):
+        return False
+    if sequence_parallel is not None and sequence_parallel is not False:
+        raise ValueError("the trainer's parallelism_config splits the sequence itself (sp_size > 1): leave "
+                         "sequence_parallel out (leanbp follows its split) or the parallelism_config out")
+    if not getattr(getattr(pc, "sp_handler", None), "sp_disable_in_eval", True):
+        raise ValueError("sp_disable_in_eval=False (sliced evaluation batches) is not supported: leanbp streams "
+                         "evaluation calls whole, as DeepSpeed's default does")
+    return True
 
 
 def _share_batches_in_groups(trainer, group) -> None:
@@ -71,10 +101,6 @@ def _share_batches_in_groups(trainer, group) -> None:
     if ranks != list(range(ranks[0], ranks[0] + size)) or ranks[0] % size or world % size:
         raise ValueError(f"stream_trainer's sequence_parallel group must be P consecutive ranks starting at a multiple "
                          f"of P (ranks {ranks} of {world}): build the groups as [0..P-1], [P..2P-1], ...")
-    pc = getattr(trainer.accelerator, "parallelism_config", None)
-    if pc is not None and (getattr(pc, "sp_enabled", False) or getattr(pc, "cp_enabled", False)):
-        raise ValueError("the trainer's parallelism_config already splits the sequence (sp_size/cp_size > 1); "
-                         "leave it out when leanbp does the sequence parallelism")
     own = trainer.get_train_dataloader
 
     def get_train_dataloader():

@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from ..distributed import gathers_per_call
-from ..engine import (IGNORE_INDEX, AutocastState, HeadCall, LogitTransform, check_attention_mask, cross_entropy,
-                      decoder_layers, gather_over_group, rowwise, shift_labels, shift_labels_across, sum_over_group,
-                      token_stats, trainable)
+from ..engine import (IGNORE_INDEX, AutocastState, HeadCall, LogitTransform, SequenceGroup, check_attention_mask,
+                      cross_entropy, decoder_layers, deepspeed_sequence_group, gather_over_group, rowwise,
+                      shift_labels, shift_labels_across, sum_over_group, token_stats, trainable)
 from ._fused_head import fused_head_spec, fused_output
 from ._sequence import rows_of
 from ._state import StreamState, causal_lm_of, state_of
@@ -103,6 +103,57 @@ def _check_training_call(state: StreamState, module: nn.Module, used: list[nn.Mo
             )
     if checkpointing(adapter):
         state.warn_once("checkpointing", CHECKPOINTING_IGNORED)
+    if state.sequence is None and state.config.layers and deepspeed_sequence_group() is not None:
+        raise RuntimeError(ULYSSES_WITHOUT_SEQUENCE_PARALLEL)
+
+
+# DeepSpeed's Ulysses replaces the model's attention function; a streamed layer computes its
+# attention itself, so without the exchange each rank's slice would attend only to itself
+ULYSSES_WITHOUT_SEQUENCE_PARALLEL = (
+    "DeepSpeed's Ulysses sequence parallelism is set up (accelerate's ParallelismConfig(sp_size=P) does it in "
+    "prepare): each rank holds a slice of every sequence, and a model streamed without sequence_parallel would let "
+    "each slice attend only to itself. Stream TRL's trainer with leanbp.integrations.trl.stream_trainer(trainer), "
+    "which follows that split; or stream with sequence_parallel=True (it takes DeepSpeed's group) and give each rank "
+    "its rows with leanbp.sequence_batch")
+
+
+def _check_sequence_labels(state: StreamState, arguments: dict) -> None:
+    """Under sequence parallelism leanbp shifts the labels across the ranks itself; labels shifted
+    on each rank are DeepSpeed's data loader's, whose trainer weighs each rank's loss by that rank's
+    label count (leanbp's loss is the whole sequence's on every rank) unless the model was streamed
+    for that trainer (``presliced``), which must then pass them."""
+    shifted = arguments.get("shift_labels") is not None
+    if state.presliced and state.sequence is not None and not shifted and arguments.get("labels") is not None:
+        raise ValueError("a model streamed for DeepSpeed's sequence-parallel data loader takes each rank's slice of "
+                         "the labels shifted before slicing (shift_labels), as that loader gives them")
+    if state.sequence is not None and not state.presliced and shifted:
+        raise ValueError("shift_labels under sequence parallelism: leanbp shifts each rank's labels across the "
+                         "ranks itself and returns the whole sequence's loss; pass this rank's rows of the unshifted "
+                         "labels (leanbp.sequence_batch), or stream the trainer with leanbp.integrations.trl."
+                         "stream_trainer, which follows its data loader")
+
+
+def _check_presliced_aux(state: StreamState, with_aux: bool) -> None:
+    if with_aux and state.presliced and state.sequence is not None:
+        raise NotImplementedError("the load-balancing loss (output_router_logits) under DeepSpeed's sequence-parallel "
+                                  "data loader: use stream_trainer(trainer, sequence_parallel=True) without "
+                                  "parallelism_config, where it is exact")
+
+
+def _presliced_call(state: StreamState, module: nn.Module) -> None:
+    """``state.presliced``: a training call streams over DeepSpeed's sequence-parallel group (made by
+    accelerate's ``prepare`` after the trainer was streamed, so found at the first call); any other
+    call holds whole sequences and runs without it."""
+    if not state.presliced:
+        return
+    if not (module.training and torch.is_grad_enabled()):
+        state.sequence = None
+    elif state.sequence is None:
+        group = deepspeed_sequence_group()
+        if group is None:
+            raise RuntimeError("the model was streamed for DeepSpeed's sequence parallelism, but DeepSpeed has not set "
+                               "up its sequence-parallel group (accelerate does in prepare, at trainer.train())")
+        state.sequence = SequenceGroup.of(group)
 
 
 def _bypass(state: StreamState, module: nn.Module, arguments: dict, reasons: list[str]) -> None:
@@ -119,6 +170,7 @@ def backbone_forward(backbone: nn.Module, plain, *args, **kwargs):
     state = state_of(backbone)
     if state is None:
         return plain(*args, **kwargs)
+    _presliced_call(state, backbone)
     arguments = _arguments(backbone, args, kwargs)
     if not _builds_graph(backbone, arguments):
         return plain(*args, **kwargs)
@@ -154,6 +206,8 @@ def _decoder(state: StreamState, arguments: dict, router_stats: bool = False):
 def _targets(state: StreamState, labels: torch.Tensor) -> torch.Tensor:
     """Row t's target is label t + 1 of the whole sequence (under sequence parallelism, the next
     rank's first label for this rank's last row)."""
+    if state.presliced and state.sequence is not None:
+        return labels  # (shifted before slicing: ``_check_sequence_labels`` made them shift_labels)
     if state.sequence is None:
         return shift_labels(labels)
     return shift_labels_across(state.sequence, labels, IGNORE_INDEX)
@@ -172,17 +226,20 @@ def lm_forward(lm: nn.Module, plain, *args, **kwargs):
     state = state_of(lm)
     if state is None:
         return plain(*args, **kwargs)
+    _presliced_call(state, lm)
     if kwargs.get("fused_lm_head"):
         spec = fused_head_spec(plain)
         if spec is None:  # nobody below handles fused calls the way TRL does: let them answer
             return plain(*args, **kwargs)
         arguments = _arguments(lm, args, {k: v for k, v in kwargs.items() if k != "fused_lm_head"})
+        _check_sequence_labels(state, arguments)
         with_aux, reasons = _head_call_reasons(lm, state, arguments)
         if reasons or arguments.get("labels") is None and arguments.get("shift_labels") is None:
             _bypass(state, lm, arguments, reasons or ["no labels"])
             return plain(*args, **kwargs)
         return _fused_head_forward(lm, state, spec, arguments, with_aux)
     arguments = _arguments(lm, args, kwargs)
+    _check_sequence_labels(state, arguments)
     if arguments.get("labels") is None:
         return plain(*args, **kwargs)  # the model's own forward; its backbone call streams
     with_aux, reasons = _head_call_reasons(lm, state, arguments)
@@ -243,9 +300,10 @@ def _head_loss(state: StreamState, hidden: torch.Tensor, norm: nn.Module, scratc
     chunks) against ``labels``: summed over labelled rows, divided by ``denominator`` (None: their
     count; under sequence parallelism, the whole sequence's)."""
     targets = _targets(state, labels.to(hidden.device))
+    whole = state.sequence is not None and not state.presliced  # (the whole sequence's loss on every rank)
     if denominator is None:
         denominator = (targets != IGNORE_INDEX).sum()
-        if state.sequence is not None:
+        if whole:
             denominator = state.sequence.all_reduce_sum(denominator)
     elif torch.is_tensor(denominator):
         denominator = denominator.to(hidden.device)
@@ -255,7 +313,7 @@ def _head_loss(state: StreamState, hidden: torch.Tensor, norm: nn.Module, scratc
                     autocast=AutocastState(hidden.device.type), transform=state.adapter.logit_transform(),
                     input_is_scratch=scratch and grad, defer_param_grads=defer_param_grads)
     loss = cross_entropy(hidden, call, denominator, partial(_head_params, norm, lm_head))
-    if state.sequence is not None:  # the whole sequence's loss on every rank; each backpropagates its rows' share
+    if whole:  # each rank backpropagates its rows' share
         loss = sum_over_group(loss, state.sequence, _grad_scale(state))
     return loss, call
 
@@ -273,8 +331,10 @@ def _labels_forward(lm: nn.Module, state: StreamState, arguments: dict, with_aux
     if state.whole_sequences:  # (a trainer's whole sequences: this rank's rows of them)
         whole = {**_whole_inputs(state, arguments), "labels": arguments["labels"]}
         arguments = {**arguments, **rows_of(state.sequence, whole)}
-    labels = arguments["labels"]
+    presliced = state.presliced and state.sequence is not None
+    labels = arguments["shift_labels"] if presliced else arguments["labels"]
     _check_targets(arguments, labels)
+    _check_presliced_aux(state, with_aux)
     hidden, norm, scratch, router_stats = _hidden_for_head(lm, state, arguments, router_stats=with_aux)
     # (under sequence parallelism num_items_in_batch is the whole sequence's)
     loss, call = _head_loss(state, hidden, norm, scratch, labels, arguments.get("num_items_in_batch"))
@@ -374,7 +434,8 @@ def _fused_head_forward(lm: nn.Module, state: StreamState, spec, arguments: dict
     settings (temperature, logit scale, soft-capping, fp32 head, requested outputs)."""
     pre_shifted = arguments.get("shift_labels")
     targets = pre_shifted if pre_shifted is not None else shift_labels(arguments["labels"])
-    if state.sequence is None:
+    _check_presliced_aux(state, with_aux)
+    if state.sequence is None or state.presliced:  # (a slice's results are the slice's)
         stats, aux_loss = _token_stats(lm, state, arguments, targets, spec.transform, spec.fp32_head, spec.outputs,
                                        with_aux)
     else:

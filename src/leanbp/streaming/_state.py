@@ -30,6 +30,12 @@ class StreamState:
     # and returns the whole sequence's loss and per-token results on every rank; each rank's share
     # of the gradient is multiplied by P, as the engines under a trainer average the ranks' gradients
     whole_sequences: bool = False
+    # a trainer whose data loader hands each rank its slice of every sequence, labels shifted before
+    # slicing (DeepSpeed's Ulysses loader, under accelerate's ParallelismConfig(sp_size=P)): training
+    # calls stream over DeepSpeed's group (``sequence``, found at the first one: accelerate makes it in
+    # ``prepare``) and return the slice's loss and per-token results, which the trainer weighs and
+    # sums itself; evaluation calls get whole sequences (DeepSpeed's default) and run without the group
+    presliced: bool = False
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:
