@@ -125,7 +125,7 @@ def deepspeed_sequence_group():
     if groups is not None and (getattr(groups, "mpu", None) is not None or getattr(groups, "mesh_device", None)):
         try:
             return groups._get_sequence_parallel_group()
-        except (KeyError, AssertionError, AttributeError, RuntimeError):  # (an mpu or mesh without that dimension)
+        except (KeyError, ValueError, AssertionError, AttributeError, RuntimeError):  # (an mpu or mesh without it)
             return None
     return None
 
