@@ -1,7 +1,7 @@
 """One rank of ``test_trl_deepspeed_sequence_parallel.py``'s torchrun launch: TRL's SFT with its own
 sequence parallelism (accelerate's ``ParallelismConfig(sp_size=2, sp_backend="deepspeed")``,
 DeepSpeed ZeRO-1 on CPU), first as TRL runs it (DeepSpeed's Ulysses attention), then streamed by
-``stream_trainer(trainer)``. Each run saves, per optimizer step, every parameter's gradient as this
+``stream_trainer(trainer)``; then transformers' Trainer (its labels calls) the same way, streamed. Each run saves, per optimizer step, every parameter's gradient as this
 rank's backward left it (before DeepSpeed reduces it), the rows each streamed layer ran, and the
 losses, to ``OUT/<run>/rank<r>.pt`` (or the error it met, ``rank<r>.error``)."""
 
@@ -19,17 +19,46 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import test_trl  # noqa: E402
 
-RUNS = ("deepspeed", "leanbp")
-# one sequence per step padded to 32 tokens (DeepSpeed's loader gathers the ranks' batches, which
-# must have one length), 2 steps, plain SGD at lr 1 without clipping: a step's update is its gradient
-SETTINGS = dict(per_device_train_batch_size=3, pad_to_multiple_of=32, max_length=32, max_steps=2, learning_rate=1.0,
-                optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0)
+RUNS = ("deepspeed", "leanbp", "trainer")
+LENGTH = 32  # every batch padded to it (DeepSpeed's loader gathers the ranks' batches: one length)
+# 2 steps, plain SGD at lr 1 without clipping: a step's update is its gradient
+SETTINGS = dict(per_device_train_batch_size=3, max_steps=2, learning_rate=1.0, optim="sgd",
+                lr_scheduler_type="constant", max_grad_norm=0.0)
 
 
 def sft_config(folder: Path, sequence_parallel: bool):
     """The SFT run's settings; ``sequence_parallel``: TRL's own (over the 2 processes of the launch)."""
     import trl
 
+    return trl.SFTConfig(pad_to_multiple_of=LENGTH, max_length=LENGTH, **_arguments(folder, sequence_parallel))
+
+
+def trainer_config(folder: Path, sequence_parallel: bool):
+    """The same for transformers' Trainer (``trainer_data`` and ``collate``: the batches)."""
+    import transformers
+
+    return transformers.TrainingArguments(remove_unused_columns=False, **_arguments(folder, sequence_parallel))
+
+
+def trainer_data() -> list[dict]:
+    from leanbp.train import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    return [{"input_ids": tokenizer(row["text"])["input_ids"][:LENGTH]} for row in test_trl._text_data()]
+
+
+def collate(rows: list[dict]) -> dict:
+    """Right-padded to LENGTH, with position ids (DeepSpeed's loader needs them)."""
+    ids = torch.zeros(len(rows), LENGTH, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, :len(row["input_ids"])] = torch.tensor(row["input_ids"])
+        mask[i, :len(row["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100),
+            "position_ids": torch.arange(LENGTH).expand(len(rows), LENGTH).contiguous()}
+
+
+def _arguments(folder: Path, sequence_parallel: bool) -> dict:
     extra = {"use_cpu": True}
     if sequence_parallel:
         from accelerate import ParallelismConfig
@@ -43,8 +72,8 @@ def sft_config(folder: Path, sequence_parallel: bool):
                 DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))),
             # (accelerate gives DeepSpeed on CPU no backend, so 1 process, unless the state is made here)
             accelerator_config={"use_configured_state": True})
-    return trl.SFTConfig(output_dir=str(folder), report_to=[], bf16=False, fp16=False, save_strategy="no", seed=0,
-                         logging_steps=1, disable_tqdm=True, dataloader_num_workers=0, **SETTINGS, **extra)
+    return dict(output_dir=str(folder), report_to=[], bf16=False, fp16=False, save_strategy="no", seed=0,
+                logging_steps=1, disable_tqdm=True, dataloader_num_workers=0, **SETTINGS, **extra)
 
 
 def exact_sequence_parallel_loss(accelerator, model, inputs, return_outputs, parallelism_config):
@@ -108,9 +137,15 @@ def _run(name: str, folder: Path, recorder: _Recorder, rows: list) -> dict:
     from leanbp.testing import exact_trl_head, full_precision_norms
 
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    trainer = trl.SFTTrainer(model=test_trl.tiny_model(), args=sft_config(folder, sequence_parallel=True),
-                             train_dataset=test_trl._text_data(), processing_class=test_trl.byte_tokenizer())
-    if name == "leanbp":
+    if name == "trainer":
+        import transformers
+
+        trainer = transformers.Trainer(model=test_trl.tiny_model(), args=trainer_config(folder, sequence_parallel=True),
+                                       train_dataset=trainer_data(), data_collator=collate)
+    else:
+        trainer = trl.SFTTrainer(model=test_trl.tiny_model(), args=sft_config(folder, sequence_parallel=True),
+                                 train_dataset=test_trl._text_data(), processing_class=test_trl.byte_tokenizer())
+    if name in ("leanbp", "trainer"):
         stream_trainer(trainer, **test_trl.CHUNKS)
     recorder.steps.clear()
     rows.clear()
