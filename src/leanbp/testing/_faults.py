@@ -149,8 +149,10 @@ def kill_and_resume(args: list[str], out: Path, kills: int, max_delay_s: float, 
         report.launches += 1
         if report.kills < kills:
             t0 = time.monotonic()
-            if report.kills % 2:  # strike inside a checkpoint write
-                alive = _wait_for_write(proc, out, launched, timeout_s=max_delay_s * 3)
+            if report.kills % 2:  # strike inside a checkpoint write: wait for one however long the
+                # launch takes to start (2 ranks importing torch on 2 busy cores can take 20 s before
+                # their first write; a wait bounded by the delays missed every write there)
+                alive = _wait_for_write(proc, out, launched, timeout_s=deadline - time.monotonic())
             else:
                 try:
                     proc.wait(timeout=rng.uniform(0.2, max_delay_s))
