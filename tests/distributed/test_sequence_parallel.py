@@ -42,6 +42,7 @@ CASES = {
         SequenceCase(family="qwen3", documents=True, objective="pairwise"),
         SequenceCase(seq_len=30, chunk_size=3, documents=True),  # padded to 32
         SequenceCase(padding="right", chunk_size=3, offload=True),
+        SequenceCase(family="gemma3_text", window=6, padding="left", chunk_size=3),  # windows cross 2 ranks' rows
         SequenceCase(family="qwen3_moe", router_loss=True, padding="right", chunk_size=3)],
 }
 # DeepSpeed's sequence-parallel groups (accelerate's ParallelismConfig(sp_size=2, sp_backend="deepspeed")

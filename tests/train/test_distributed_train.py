@@ -101,21 +101,40 @@ def test_engines_other_than_single_need_several_processes(tmp_path):
     assert proc.returncode == 2 and "--nproc" in proc.stderr
 
 
-@pytest.mark.parametrize("engine, extra", [("ddp", []), ("fsdp2", []), ("ddp", ["--offload"])],
-                         ids=["ddp", "fsdp2", "ddp-offload"])
-def test_sequence_parallel_ranks_train_the_weights_of_one_process(tmp_path, single_run, reference, engine, extra):
-    """--sp 2 on 2 ranks: one group whose ranks hold half of every sequence's rows each (the head
-    exchange inside every streamed layer; with --offload, held in host memory) and train on the
-    micro-batches of one process with --grad-accum 2: the same weights after 3 AdamW steps, and the
-    same losses in the log (a loss counted once per rank of the group would read 2x).
+@pytest.fixture(scope="module")
+def single_run_one_batch(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single_one_batch")
+    _train(out, "--steps", "3")
+    return out
+
+
+@pytest.mark.parametrize("engine, nproc, accumulate, extra", [
+    ("ddp", 2, 2, []), ("fsdp2", 2, 2, []), ("ddp", 2, 2, ["--offload"]),
+    # DeepSpeed accumulates by itself (--grad-accum 1): the one group trains on one micro-batch a step
+    pytest.param("zero3", 2, 1, [], marks=NEEDS_DEEPSPEED),
+    # two groups of two over the data ranks: each group one micro-batch, two a step
+    pytest.param("zero2", 4, 1, [], marks=NEEDS_DEEPSPEED),
+], ids=["ddp", "fsdp2", "ddp-offload", "zero3", "zero2-two-groups"])
+def test_sequence_parallel_ranks_train_the_weights_of_one_process(tmp_path, request, engine, nproc, accumulate, extra):
+    """--sp 2: groups of 2 ranks, each rank holding half of every sequence's rows (the head exchange
+    inside every streamed layer; with --offload, held in host memory), train on the micro-batches of
+    one process: 2 a step (one group with --grad-accum 2, or two groups over 4 ranks under ZeRO-2,
+    whose data ranks average the groups' gradients) or 1 (ZeRO-3, whose hooks gather each streamed
+    layer's weights for the exchange's passes, with DeepSpeed's own accumulation left at 1): the
+    same weights after 3 AdamW steps, and the same losses in the log (a loss counted once per rank
+    of a group would read 2x).
 
     To 1e-6, not 1e-12: transformers' RMSNorm computes in float32 even in a float64 model, and the
     ranks split the attention's key blocks differently from one process, so a float64 rounding
     difference sometimes crosses a float32 rounding step (measured: 6e-8 on the step-1 gradients,
-    7e-8 on the weights). With float64 norms the exchange is exact to 1e-12
+    7e-8 on the weights; ZeRO-3 7.8e-8). With float64 norms the exchange is exact to 1e-12
     (tests/distributed/test_sequence_parallel.py)."""
     out = tmp_path / engine
-    _train(out, "--nproc", "2", "--engine", engine, "--sp", "2", "--grad-accum", "2", "--steps", "3", *extra)
+    micro_batches = nproc // 2 * accumulate
+    single_run = request.getfixturevalue({1: "single_run_one_batch", 2: "single_run"}[micro_batches])
+    reference = _weights(single_run / "checkpoint")
+    _train(out, "--nproc", str(nproc), "--engine", engine, "--sp", "2", "--grad-accum", str(accumulate),
+           "--steps", "3", *extra)
     weights = _weights(out / ("checkpoint" if engine == "ddp" else "final"))
     worst = max(((weights[n] - r).norm() / r.norm()).item() for n, r in reference.items())
     assert worst <= 1e-6, worst
