@@ -83,8 +83,10 @@ ROWS = [
                 "--free-grads (Trainer frees the gradients between steps); the guide reports '32k tokens' from its "
                 "plot (32,768 taken)"),
     Row("alst-baseline", f"{ALST}: run-h100-sp1-llama-8b-baseline.yml", "Llama-3.1-8B, one H100 80GB, ZeRO-3 with "
-        "weights and optimizer offloaded to the CPU (cpu_adam), transformers' checkpointing, plain loss, bf16: 32,000 "
-        "tokens at 71.91 GB (36,000 close to OOM)", "llama-3.1-8b", {"ckpt": 32000}, gpu="h100", mode="step",
+        "weights and optimizer offloaded to the CPU (cpu_adam), transformers' checkpointing, plain loss, bf16: the "
+        "recipe's max_length 36,000 ('w/ param offload close to oom'); at 32,000 'NV 71.91 GB' (nvidia-smi: the "
+        "allocator's reserved memory and the CUDA context, not the tensors' peak)", "llama-3.1-8b", {"ckpt": 36000},
+        gpu="h100", mode="step",
         setup=dict(engine="zero3", optimizer="host", offload_params=True), hold_outputs=False,
         memory_at={"ckpt": (32000, 71.91e9)},
         assumes="--engine zero3 --optimizer host --offload-params --mode step --free-outputs (ArcticTraining's loss() "
@@ -101,9 +103,10 @@ ROWS = [
         "with its checkpoints offloaded to pinned host memory, chunked loss, bf16: 1,048,576 tokens, 56.2 GB per "
         "GPU, 380 s per step", "qwen3-8b", {"ckpt": 1048576}, gpu="h100", mode="step",
         setup=dict(gpus=8, engine="fsdp2", optimizer="adamw"), hold_outputs=False, reproducible=False,
-        why_not="context parallelism (and --sp) is not in leanbp yet, nor the offload of the checkpoints; shown: the "
-                "same recipe's data-parallel baseline (FSDP2 over 8 GPUs, one whole sequence per GPU, transformers' "
-                "checkpointing) and leanbp on it",
+        why_not="TRL's ring attention (context parallelism) and its offload of the checkpoints are not planner "
+                "methods (leanbp's own --sp 8 on this set-up: the trl-1m-sp8 row); shown: the same recipe's "
+                "data-parallel baseline (FSDP2 over 8 GPUs, one whole sequence per GPU, transformers' checkpointing) "
+                "and leanbp on it",
         host_memory=int(2e12)),
     # sequence parallelism (--sp): one sequence over the 8 GPUs of a node
     Row("alst-sp8", f"{ALST}: run-h100-sp8-llama-8b.yml", "Llama-3.1-8B, 8 x H100 80GB, Ulysses sequence "
@@ -117,7 +120,8 @@ ROWS = [
         assumes="--gpus 8 --sp 8 --engine zero3 --optimizer host --mode step --free-outputs", host_memory=int(1.9e12)),
     Row("qwen3-sp8", f"{ALST} (the set-up of its Llama-8B row)", "Qwen3-8B on the set-up of ALST's 8-GPU Llama-8B "
         "recipe (no published Qwen3-8B figure: beside ALST's 3.7M tokens for Llama-3.1-8B)", "qwen3-8b",
-        {"leanbp": None}, gpu="h100", mode="step", setup=dict(gpus=8, sp=8, engine="zero3", optimizer="host"),
+        {"leanbp": None, "leanbp_offload": None}, gpu="h100", mode="step",
+        setup=dict(gpus=8, sp=8, engine="zero3", optimizer="host"),
         hold_outputs=False, reproducible=False, why_not="no published figure for this model",
         assumes="--gpus 8 --sp 8 --engine zero3 --optimizer host --mode step --free-outputs", host_memory=int(1.9e12)),
     Row("trl-1m-sp8", f"{TRL}", "Qwen3-8B, 8 x H100, FSDP2 + context parallelism 8 (ring attention), "
@@ -154,7 +158,10 @@ def plan_row(row: Row, stream: StreamConfig) -> list[dict]:
         if method in row.memory_at:
             T, bytes_ = row.memory_at[method]
             peak = planner.peak(method, T, optimizer)
-            memory_note = f"{peak.total / 1e9:.1f} GB planned at {T:,} tokens vs {bytes_ / 1e9:.2f} GB published"
+            reserve = CudaReserve().total(memory)
+            memory_note = (f"{peak.total / 1e9:.1f} GB of tensors planned at {T:,} tokens, "
+                           f"{(peak.total + reserve) / 1e9:.1f} GB with the planner's reserve (context, workspaces, "
+                           f"{CudaReserve().fragmentation:.0%} fragmentation), vs {bytes_ / 1e9:.2f} GB published")
         out.append(dict(key=row.key, source=row.source, published_setup=row.setup_text, model=row.model,
                         gpu=gpu.label, mode=row.mode, method=method, label=METHODS[method].label,
                         published=published, planned=found.seq_len, checked=found.checked, bound=found.bound,
