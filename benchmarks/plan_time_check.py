@@ -9,10 +9,13 @@ model: Qwen3-shaped, hidden 512, 4 layers, vocab 32000, fp32, batch 1).
 For each (method, T) the planner runs the fake step at that T and counts its work (the FLOPs of
 its products and attention kernels, the bytes of its other ops: `leanbp.plan.WorkCounter`); with
 `--real` the same counter also runs over a real step of the bench model, and the two FLOP counts are
-compared. The prediction is FLOPs / matmul rate + bytes / bandwidth + exp/log elements /
-transcendental rate + fresh large results / fresh-page rate (`leanbp.plan.step_time` with the
-measured CPU as the device; the attention kernels' FLOPs at the CPU flash kernel's measured rate, the
-rest at the matmul rate). Writes time_check.csv / time_check.json / time_check.md.
+compared. The prediction is the time of the products and attention calls + bytes / bandwidth +
+exp/log elements / transcendental rate + fresh large results / fresh-page rate (`leanbp.plan.step_time`
+with the measured CPU as the device). The calls are timed two ways: each distinct call of the fake
+step remade on random operands of its shapes and timed alone (`leanbp.plan.time_calls`: a CPU's rate
+depends on the shapes), and, as the one-rate column, all products at the 2048-cubed product's rate
+and all attention at the flash kernel's rate measured at one shape. Writes time_check.csv /
+time_check.json / time_check.md.
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ import argparse
 import csv
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from leanbp import StreamConfig
 from leanbp.bench import bench_config, build_case_model, machine
-from leanbp.plan import Planner, Setup, WorkCounter, measure_cpu, step_time, training_step
+from leanbp.plan import Planner, Setup, WorkCounter, measure_cpu, step_time, time_calls, training_step
 
 
 def measured_times(paths: list[str]) -> dict:
@@ -84,12 +88,18 @@ def main() -> None:
             t0 = time.perf_counter()
             planner.step(method, T)  # the fake step at this T
             work = planner.work(method, T)
-            predicted = step_time(work, setup, planner.rank(), "fp32", device=cpu, tokens=T)
+            one_rate = step_time(work, setup, planner.rank(), "fp32", device=cpu, tokens=T)
+            t1 = time.perf_counter()
+            timed = time_calls(work.calls)
+            predicted = step_time(work, setup, planner.rank(), "fp32", device=replace(cpu, calls=timed), tokens=T)
+            timing_s = time.perf_counter() - t1
             measured = times.get((method, T), [])
             median = sorted(measured)[len(measured) // 2] if measured else None
             row = {"method": method, "seq_len": T, "flops": work.flops, "attention_flops": work.attention,
                    "bytes": work.bytes, "transcendental": work.transcendental, "fresh_bytes": work.fresh,
                    "compute_s": predicted.compute, "memory_s": predicted.memory, "predicted_s": predicted.total,
+                   "distinct_calls": len(timed), "one_rate_s": one_rate.total,
+                   "one_rate_diff": one_rate.total / median - 1 if median else None, "timing_s": timing_s,
                    "measured_s": median, "measured_all": measured,
                    "rel_diff": predicted.total / median - 1 if median else None,
                    "plan_s": time.perf_counter() - t0}
@@ -99,8 +109,8 @@ def main() -> None:
             rows.append(row)
             seen = "-" if median is None else f"{median:.1f} s ({100 * row['rel_diff']:+.1f}%)"
             print(f"{method:7s} T={T:6d} FLOPs {work.flops / 1e12:7.3f} T  bytes {work.bytes / 1e9:7.2f} GB  predicted "
-                  f"{predicted.total:6.1f} s (compute {predicted.compute:.1f} + memory {predicted.memory:.1f})  "
-                  f"measured {seen}" + (f"  real FLOPs equal: {row['flops_equal']}" if args.real else ""), flush=True)
+                  f"{predicted.total:6.1f} s (compute {predicted.compute:.1f} + memory {predicted.memory:.1f}; "
+                  f"one rate {one_rate.total:.1f} s)  measured {seen}" + (f"  real FLOPs equal: {row['flops_equal']}" if args.real else ""), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "time_check.csv", "w", newline="") as f:
@@ -114,14 +124,17 @@ def main() -> None:
          "rows": rows}, indent=1))
     lines = [f"CPU (measured): {rates}", "",
              "| method | T | FLOPs (T) | of which attention (T) | other bytes (GB) | exp/log elements (G) | "
-             "fresh large results (GB) | predicted s | measured s | difference |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "fresh large results (GB) | distinct calls | predicted s (one rate) | predicted s (calls timed) | "
+             "measured s | difference (one rate) | difference (calls timed) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         measured = "-" if r["measured_s"] is None else f"{r['measured_s']:.1f}"
         diff = "-" if r["rel_diff"] is None else f"{100 * r['rel_diff']:+.1f}%"
+        one_diff = "-" if r["one_rate_diff"] is None else f"{100 * r['one_rate_diff']:+.1f}%"
         lines.append(f"| {r['method']} | {r['seq_len']:,} | {r['flops'] / 1e12:.3f} | {r['attention_flops'] / 1e12:.3f} | "
                      f"{r['bytes'] / 1e9:.1f} | {r['transcendental'] / 1e9:.2f} | {r['fresh_bytes'] / 1e9:.1f} | "
-                     f"{r['predicted_s']:.1f} | {measured} | {diff} |")
+                     f"{r['distinct_calls']} | {r['one_rate_s']:.1f} | {r['predicted_s']:.1f} | {measured} | "
+                     f"{one_diff} | {diff} |")
     (out / "time_check.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

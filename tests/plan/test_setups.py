@@ -392,6 +392,48 @@ def test_transcendental_ops_and_fresh_pages_take_time_on_a_device_that_states_th
     assert timed.memory == pytest.approx(2e9 / 40e9 + 1e9 / 0.5e9 + 1e9 / 4e9)
 
 
+def test_the_counter_keeps_each_distinct_call_with_its_count_and_flops():
+    """Products and attention calls are kept by op and operand layout (a transposed operand is
+    another call); their counts x FLOPs add up to the step's FLOPs; the depth line keeps them and a
+    polynomial in T (other shapes) drops them."""
+    from leanbp.plan._work import quadratic_through
+
+    x, w = torch.randn(30, 16), torch.randn(24, 16)
+    q = torch.randn(1, 2, 9, 8)
+    with WorkCounter() as counter:
+        for _ in range(3):
+            torch.nn.functional.linear(x, w)  # (an mm with the weight transposed)
+        x @ w.t().contiguous()  # the same product, another layout
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0, True)
+    work = counter.work
+    assert sorted(n for n, _ in work.calls.values()) == [1, 1, 3]
+    assert sum(n * f for n, f in work.calls.values()) == work.flops
+    assert (work + (work - work) * 5).calls == work.calls
+    assert sorted(n for n, _ in (work * 2).calls.values()) == [2, 2, 6]
+    assert quadratic_through([(1, work), (2, work * 2), (3, work * 3)])(4).calls is None
+
+
+def test_a_cpu_that_timed_the_calls_adds_up_their_times():
+    """time_calls remakes each call on operands of its layout and times it; step_time then takes those
+    seconds for the calls it timed and the rates for the rest."""
+    from leanbp.plan import time_calls
+    from leanbp.plan._devices import _operand
+
+    x, w = torch.randn(30, 16), torch.randn(24, 16)
+    with WorkCounter() as counter:
+        torch.nn.functional.linear(x, w)
+    (signature, (count, flops)), = counter.work.calls.items()
+    remade = _operand(signature[1])
+    assert [(t.shape, t.stride()) for t in remade] == [((30, 16), (16, 1)), ((16, 24), (1, 16))]
+    seconds = time_calls(counter.work.calls, seconds=0.01)
+    assert seconds[signature] > 0
+    tensors = parameter_tensors(_model(layers=2))
+    work = Work(flops=flops + 1e9, attention=0.0, calls=counter.work.calls)
+    cpu = replace(GPUS["h100"], flops={"fp32": 1e11}, calls={signature: 2.0})
+    timed = step_time(work, Setup(), rank_bytes(tensors, Setup()), "fp32", device=cpu)
+    assert timed.compute == pytest.approx(2.0 + 1e9 / 1e11)
+
+
 def test_causal_attention_counts_the_pairs_it_computes():
     q = torch.zeros(1, 2, 8, 4)
     with WorkCounter() as counter:

@@ -5,7 +5,7 @@ the time of a step, predicted without the device by running the real step on fak
 with the presets of common open models (``_presets.py``) and the report as a table, CSV, JSON and
 plot (``_report.py``)."""
 
-from ._devices import GPUS, Gpu, measure_cpu
+from ._devices import GPUS, Gpu, measure_cpu, time_calls
 from ._measure import RankMemory
 from ._planner import PLAN_DTYPES, Lines, Longest, Peak, Planner, training_step
 from ._presets import PRESETS, load_config
@@ -16,5 +16,5 @@ from ._work import Work, WorkCounter
 
 __all__ = ["CudaReserve", "DEFAULT_SEQ_LENS", "ENGINES", "GPUS", "Gpu", "Lines", "Longest", "OPTIMIZERS",
            "PLAN_DTYPES", "PRESETS", "Peak", "PlanRequest", "Planner", "RankBytes", "RankMemory", "Setup", "StepTime", "Work",
-           "WorkCounter", "format_plan", "load_config", "machine_memory", "measure_cpu", "run_plan", "step_time",
+           "WorkCounter", "format_plan", "load_config", "machine_memory", "measure_cpu", "run_plan", "step_time", "time_calls",
            "training_step", "write_plan"]

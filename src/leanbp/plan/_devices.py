@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..memory import GiB
-from ._work import _cpu_flash_backward, _cpu_flash_forward
+from ._work import Operand, _cpu_flash_backward, _cpu_flash_forward
 
-__all__ = ["Gpu", "GPUS", "measure_cpu"]
+__all__ = ["Gpu", "GPUS", "measure_cpu", "time_calls"]
 
 TB = 1e12
 GB = 1e9
@@ -64,6 +64,8 @@ class Gpu:
     attention: dict | None = field(default=None, hash=False)
     transcendental: dict | None = field(default=None, hash=False)
     fresh: float | None = None
+    # {call signature: seconds of one call} where each call of a step was timed here (``time_calls``)
+    calls: dict | None = field(default=None, hash=False, compare=False, repr=False)
 
     def matmul_rate(self, dtype: str) -> float:
         return self.flops["bf16" if dtype == "fp16" else dtype]
@@ -146,3 +148,29 @@ def measure_cpu(dtype: torch.dtype = torch.float32, size: int = 2048, seconds: f
     return Gpu("cpu", f"this CPU ({torch.get_num_threads()} threads, measured)", 0, {name: flops},
                bandwidth, 0.0, 0.0, "measured by leanbp.plan.measure_cpu", attention={name: attention_flops},
                transcendental={name: transcendental}, fresh=fresh)
+
+
+def _operand(description):
+    """A random tensor with a recorded operand's layout (values near the scale of a layer's)."""
+    if isinstance(description, Operand):
+        shape, stride, dtype = description
+        size = 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0
+        base = torch.randn(size, dtype=dtype) * 0.1 if dtype.is_floating_point else torch.zeros(size, dtype=dtype)
+        return base.as_strided(shape, stride)
+    if isinstance(description, tuple):
+        return tuple(_operand(d) for d in description)
+    return description
+
+
+def time_calls(calls: dict, seconds: float = 0.3, progress=None) -> dict:
+    """Seconds of one call of each distinct product and attention call of a step (``Work.calls``) on
+    this CPU: the call remade on random operands of its recorded layouts, the fastest of repeated runs
+    for up to ``seconds`` after a warm-up run. ``progress(done, total)`` is told after each."""
+    timed = {}
+    for i, signature in enumerate(calls):
+        func, args, kwargs = signature
+        args, kwargs = _operand(args), {k: _operand(v) for k, v in kwargs}
+        timed[signature] = _best_seconds(lambda: func(*args, **kwargs), seconds)
+        if progress is not None:
+            progress(i + 1, len(calls))
+    return timed

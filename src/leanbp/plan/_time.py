@@ -2,7 +2,9 @@
 moves between GPUs and over PCIe, on a GPU of ``_devices.GPUS`` at an efficiency the user states.
 
     compute  = (product FLOPs / matmul rate + attention FLOPs / attention rate) / efficiency
-               (a GPU's attention rate is its matmul peak; a measured CPU's is its flash kernel's)
+               (a GPU's attention rate is its matmul peak; a measured CPU's is its flash kernel's;
+               a CPU that timed the step's calls at their own shapes, ``time_calls``, adds up
+               those times instead)
     memory   = (bytes of the other ops / HBM bandwidth
                 + exp/log/erf elements / transcendental rate   (a measured CPU's; none on a GPU)
                 + bytes of fresh large results / fresh-page rate) / efficiency   (likewise)
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 
 from ._devices import GPUS, Gpu
 from ._setup import RankBytes, Setup
-from ._work import Work
+from ._work import Work, is_attention
 
 __all__ = ["StepTime", "step_time", "HOST_BANDWIDTH"]
 
@@ -67,7 +69,14 @@ def step_time(work: Work, setup: Setup, rank: RankBytes, dtype: str, optimizer: 
     replaces the set-up's GPU (e.g. ``measure_cpu()``)."""
     gpu = device or GPUS[setup.gpu]
     eff = setup.efficiency if device is None else 1.0
-    compute = ((work.flops - work.attention) / gpu.matmul_rate(dtype) + work.attention / gpu.attention_rate(dtype)) / eff
+    flops, attention, timed = work.flops, work.attention, 0.0
+    if gpu.calls and work.calls:  # (each call timed at its own shapes on the measured CPU)
+        for signature, (count, call_flops) in work.calls.items():
+            if signature in gpu.calls:
+                timed += count * gpu.calls[signature]
+                flops -= count * call_flops
+                attention -= count * call_flops if is_attention(signature) else 0
+    compute = (timed + (flops - attention) / gpu.matmul_rate(dtype) + attention / gpu.attention_rate(dtype)) / eff
     memory = work.bytes / gpu.hbm
     transcendental = gpu.transcendental_rate(dtype)
     if transcendental:  # (a CPU evaluates them slower than it moves their bytes; a GPU does not)

@@ -26,11 +26,18 @@ reuses its blocks). Both stay in ``bytes`` too.
 
 All are polynomials of degree two in T at whole chunks (attention over T keys, T rows) and
 linear in the depth: ``Work`` adds, scales and extends like the memory lines.
+
+``calls`` keeps, for each distinct product and attention call (its op, and its operands' shapes,
+strides and dtypes), how many times the step makes it and its FLOPs: a CPU's rate depends on the
+shapes (a chunk's 512-row products and a chunk's attention run well below a 2048-cubed product),
+so ``time_calls`` times each one there. It extends along the depth (every layer makes the same
+calls) but not along T (the shapes change with T): a polynomial in T leaves it None.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Mapping, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -38,7 +45,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ..memory import op_tensors
 
-__all__ = ["Work", "WorkCounter", "count_work", "quadratic_through"]
+__all__ = ["Operand", "Work", "WorkCounter", "count_work", "is_attention", "quadratic_through"]
 
 aten = torch.ops.aten
 
@@ -54,20 +61,52 @@ class Work:
     attention: float = 0.0  # the attention kernels' share of ``flops`` (a device runs them at its own rate)
     transcendental: float = 0.0  # elements of exp/log/erf ops (module docstring)
     fresh: float = 0.0  # bytes of results allocated at FRESH_FROM bytes or more
+    # {call signature: (times made, FLOPs of one)} of the products and attention kernels (module docstring)
+    calls: Mapping | None = field(default=None, compare=False, repr=False)
 
     def _fields(self) -> tuple:
         return self.flops, self.bytes, self.exchange, self.attention, self.transcendental, self.fresh
 
     def __add__(self, other: "Work") -> "Work":
-        return Work(*(a + b for a, b in zip(self._fields(), other._fields())))
+        return Work(*(a + b for a, b in zip(self._fields(), other._fields())), calls=_combined(self, other, 1))
 
     def __sub__(self, other: "Work") -> "Work":
-        return Work(*(a - b for a, b in zip(self._fields(), other._fields())))
+        return Work(*(a - b for a, b in zip(self._fields(), other._fields())), calls=_combined(self, other, -1))
 
     def __mul__(self, k: float) -> "Work":
-        return Work(*(a * k for a in self._fields()))
+        calls = None if self.calls is None else {s: (n * k, f) for s, (n, f) in self.calls.items()}
+        return Work(*(a * k for a in self._fields()), calls=calls)
 
     __rmul__ = __mul__
+
+
+def _combined(a: Work, b: Work, sign: int) -> dict | None:
+    """``a.calls`` plus (or minus) ``b.calls``; None where either is unknown."""
+    if a.calls is None or b.calls is None:
+        return None
+    out = dict(a.calls)
+    for s, (n, f) in b.calls.items():
+        out[s] = (out.get(s, (0, f))[0] + sign * n, f)
+    return out
+
+
+class Operand(NamedTuple):
+    """A tensor argument of a recorded call, by its layout."""
+
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+
+
+def _signature(func, args, kwargs) -> tuple:
+    """What makes a call's time: the op, its tensors' layouts, its other arguments."""
+    def describe(x):
+        if isinstance(x, torch.Tensor):
+            return Operand(tuple(x.shape), tuple(x.stride()), x.dtype)
+        if isinstance(x, (list, tuple)):
+            return tuple(describe(y) for y in x)
+        return x
+    return func, describe(args), tuple(sorted((k, describe(v)) for k, v in kwargs.items()))
 
 
 def _visible_pairs(q: int, k: int, causal: bool) -> int:
@@ -146,11 +185,12 @@ class WorkCounter(TorchDispatchMode):
         self.attention = 0
         self.transcendental = 0
         self.fresh = 0
+        self.calls: dict = {}
 
     @property
     def work(self) -> Work:
         return Work(float(self.flops), float(self.bytes), attention=float(self.attention),
-                    transcendental=float(self.transcendental), fresh=float(self.fresh))
+                    transcendental=float(self.transcendental), fresh=float(self.fresh), calls=dict(self.calls))
 
     def _count_fresh(self, outputs, inputs) -> None:
         seen = {t.untyped_storage()._cdata for t in inputs}
@@ -175,6 +215,8 @@ class WorkCounter(TorchDispatchMode):
             self.flops += flops
             if packet in _ATTENTION:
                 self.attention += flops
+            signature = _signature(func, args, kwargs)
+            self.calls[signature] = (self.calls.get(signature, (0, flops))[0] + 1, flops)
             self._count_fresh(list(op_tensors(out, meta=True)),
                               list(op_tensors(args, meta=True)) + list(op_tensors(kwargs, meta=True)))
         else:
@@ -209,6 +251,11 @@ def quadratic_through(points: list[tuple[int, Work]]):
         l0 = (T - t1) * (T - t2) / ((t0 - t1) * (t0 - t2))
         l1 = (T - t0) * (T - t2) / ((t1 - t0) * (t1 - t2))
         l2 = (T - t0) * (T - t1) / ((t2 - t0) * (t2 - t1))
-        return w0 * l0 + w1 * l1 + w2 * l2
+        return replace(w0 * l0 + w1 * l1 + w2 * l2, calls=None)  # (other shapes at other T)
 
     return at
+
+
+def is_attention(signature: tuple) -> bool:
+    """Whether a recorded call is an attention kernel's (``Work.calls``)."""
+    return signature[0]._overloadpacket in _ATTENTION
