@@ -110,7 +110,8 @@ def main() -> None:
             seen = "-" if median is None else f"{median:.1f} s ({100 * row['rel_diff']:+.1f}%)"
             print(f"{method:7s} T={T:6d} FLOPs {work.flops / 1e12:7.3f} T  bytes {work.bytes / 1e9:7.2f} GB  predicted "
                   f"{predicted.total:6.1f} s (compute {predicted.compute:.1f} + memory {predicted.memory:.1f}; "
-                  f"one rate {one_rate.total:.1f} s)  measured {seen}" + (f"  real FLOPs equal: {row['flops_equal']}" if args.real else ""), flush=True)
+                  f"one rate {one_rate.total:.1f} s)  measured {seen}"
+                  + (f"  real FLOPs equal: {row['flops_equal']}" if args.real else ""), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "time_check.csv", "w", newline="") as f:

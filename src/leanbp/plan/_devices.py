@@ -162,15 +162,13 @@ def _operand(description):
     return description
 
 
-def time_calls(calls: dict, seconds: float = 0.3, progress=None) -> dict:
+def time_calls(calls: dict, seconds: float = 0.3) -> dict:
     """Seconds of one call of each distinct product and attention call of a step (``Work.calls``) on
     this CPU: the call remade on random operands of its recorded layouts, the fastest of repeated runs
-    for up to ``seconds`` after a warm-up run. ``progress(done, total)`` is told after each."""
+    for up to ``seconds`` after a warm-up run."""
     timed = {}
-    for i, signature in enumerate(calls):
+    for signature in calls:
         func, args, kwargs = signature
         args, kwargs = _operand(args), {k: _operand(v) for k, v in kwargs}
         timed[signature] = _best_seconds(lambda: func(*args, **kwargs), seconds)
-        if progress is not None:
-            progress(i + 1, len(calls))
     return timed
