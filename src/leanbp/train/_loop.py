@@ -93,7 +93,8 @@ def _run(cfg: TrainConfig, engine: Engine, out: Path, progress: bool) -> dict:
                 log.write(step + 1, result.loss, result.lr, result.tokens_per_s, result.peak_mib, result.activation_mib,
                           result.epsilon)
             bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{result.tokens_per_s:.0f}",
-                            peak_mib=f"{result.peak_mib:.0f}",
+                            # (no figure where the step is not measured: DeepSpeed's engines)
+                            **({} if math.isnan(result.peak_mib) else {"peak_mib": f"{result.peak_mib:.0f}"}),
                             **({"chunk": chunk_size_used(model)} if cfg.stream is not None else {}),
                             **({"eps": f"{result.epsilon:.3f}"} if result.epsilon is not None else {}))
             if state["step"] % cfg.save_every == 0 or state["step"] == cfg.steps:
