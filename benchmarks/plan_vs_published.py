@@ -139,7 +139,8 @@ def plan_row(row: Row, stream: StreamConfig) -> list[dict]:
     gpu = GPUS[row.gpu]
     setup = Setup(gpu=row.gpu, host_memory=row.host_memory, **row.setup)
     memory = gpu.memory
-    budget = memory - CudaReserve().total(memory)
+    reserve = CudaReserve()
+    budget = memory - reserve.total(memory)
     planner = Planner(load_config(row.model), dtype="bf16", stream=stream, hold_outputs=row.hold_outputs,
                       free_grads=row.free_grads, lora_rank=row.lora, setup=setup)
     optimizer = row.mode == "step"
@@ -158,10 +159,9 @@ def plan_row(row: Row, stream: StreamConfig) -> list[dict]:
         if method in row.memory_at:
             T, bytes_ = row.memory_at[method]
             peak = planner.peak(method, T, optimizer)
-            reserve = CudaReserve().total(memory)
             memory_note = (f"{peak.total / 1e9:.1f} GB of tensors planned at {T:,} tokens, "
-                           f"{(peak.total + reserve) / 1e9:.1f} GB with the planner's reserve (context, workspaces, "
-                           f"{CudaReserve().fragmentation:.0%} fragmentation), vs {bytes_ / 1e9:.2f} GB published")
+                           f"{(peak.total + memory - budget) / 1e9:.1f} GB with the planner's reserve (context, "
+                           f"workspaces, {reserve.fragmentation:.0%} fragmentation), vs {bytes_ / 1e9:.2f} GB published")
         out.append(dict(key=row.key, source=row.source, published_setup=row.setup_text, model=row.model,
                         gpu=gpu.label, mode=row.mode, method=method, label=METHODS[method].label,
                         published=published, planned=found.seq_len, checked=found.checked, bound=found.bound,
