@@ -128,8 +128,10 @@ class MemoryReport:
 class _LiveStorageBytes(TorchDispatchMode):
     """Counts bytes of storages created inside the mode while they are alive."""
 
-    def __init__(self, baseline: int, existing=(), grads: int = 0):
+    def __init__(self, baseline: int, existing=(), grads: int = 0, trace: list | None = None):
         super().__init__()
+        self._made = 0  # storages made so far (a storage's key in the trace)
+        self.trace = trace  # (key, +bytes) when a storage is made, (key, -bytes) when it dies (see ``track``)
         self.live = baseline
         self.peak = baseline
         self.phase_peaks: dict[str, int] = {}  # the peak while each phase ran (see ``phase``)
@@ -139,8 +141,10 @@ class _LiveStorageBytes(TorchDispatchMode):
         for t in existing:  # already counted in the baseline
             self._seen.add(t.untyped_storage())
 
-    def _freed(self, nbytes: int) -> None:
+    def _freed(self, nbytes: int, key: int) -> None:
         self.live -= nbytes
+        if self.trace is not None:
+            self.trace.append((key, -nbytes))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -150,7 +154,10 @@ class _LiveStorageBytes(TorchDispatchMode):
             if not _HOST.inside:  # (host memory is counted by its store)
                 nbytes = storage.nbytes()
                 self.live += nbytes
-                weakref.finalize(storage, self._freed, nbytes)
+                key = self._made = self._made + 1
+                if self.trace is not None:
+                    self.trace.append((key, nbytes))
+                weakref.finalize(storage, self._freed, nbytes, key)
         if self.live > self.peak:
             self.peak = self.live
         name = current_phase()
@@ -205,10 +212,15 @@ class track:
     >>> with leanbp.memory.track(model) as mem:
     ...     model(**batch).loss.backward()
     >>> mem.report.activations
+
+    ``trace``: a list that gets each storage the block makes and frees, in order, as (key, bytes) and
+    (key, -bytes) (CPU and fake tensors; ``leanbp.plan``'s allocator model replays it). A storage
+    that outlives the block has no free in it.
     """
 
-    def __init__(self, model: nn.Module, device: torch.device | str | None = None):
+    def __init__(self, model: nn.Module, device: torch.device | str | None = None, trace: list | None = None):
         self.model = model
+        self.trace = trace
         if device is None:  # a module without parameters is measured on the CPU
             first = next(model.parameters(), None)
             device = first.device if first is not None else "cpu"
@@ -242,7 +254,8 @@ class track:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._mode = None
         else:
-            self._mode = _LiveStorageBytes(params + grads_before, self._params() + self._grads(), grads_before)
+            self._mode = _LiveStorageBytes(params + grads_before, self._params() + self._grads(), grads_before,
+                                           self.trace)
             self._mode.__enter__()
         self._params_bytes = params
         self._host_start = _HOST.peak = _HOST.live  # (what a host store held before: not this block's)
@@ -253,6 +266,7 @@ class track:
         phase_peaks, phase_grads = {}, {}
         if self._mode is not None:
             self._mode.__exit__(*exc)
+            self._mode.trace = None  # (what dies after the block is not the block's)
             peak, phase_peaks, phase_grads = self._mode.peak, self._mode.phase_peaks, self._mode.phase_grads
         else:
             torch.cuda.synchronize(self.device)

@@ -5,16 +5,18 @@ the time of a step, predicted without the device by running the real step on fak
 with the presets of common open models (``_presets.py``) and the report as a table, CSV, JSON and
 plot (``_report.py``)."""
 
+from ._allocator import CachingAllocator, OutOfMemory, Replay, needed_capacity, replay
 from ._devices import GPUS, Gpu, measure_cpu, time_calls
 from ._measure import RankMemory
-from ._planner import PLAN_DTYPES, Lines, Longest, Peak, Planner, training_step
+from ._planner import PLAN_DTYPES, REPLAY_STEPS, AllocatorFit, Lines, Longest, Peak, Planner, training_step
 from ._presets import PRESETS, load_config
 from ._report import DEFAULT_SEQ_LENS, CudaReserve, PlanRequest, format_plan, run_plan, write_plan
 from ._setup import ENGINES, OPTIMIZERS, RankBytes, Setup, machine_memory
 from ._time import StepTime, step_time
 from ._work import Work, WorkCounter
 
-__all__ = ["CudaReserve", "DEFAULT_SEQ_LENS", "ENGINES", "GPUS", "Gpu", "Lines", "Longest", "OPTIMIZERS",
-           "PLAN_DTYPES", "PRESETS", "Peak", "PlanRequest", "Planner", "RankBytes", "RankMemory", "Setup", "StepTime", "Work",
-           "WorkCounter", "format_plan", "load_config", "machine_memory", "measure_cpu", "run_plan", "step_time", "time_calls",
+__all__ = ["AllocatorFit", "CachingAllocator", "CudaReserve", "DEFAULT_SEQ_LENS", "ENGINES", "GPUS", "Gpu", "Lines", "Longest", "OPTIMIZERS",
+           "OutOfMemory", "PLAN_DTYPES", "PRESETS", "Peak", "PlanRequest", "Planner", "REPLAY_STEPS", "RankBytes",
+           "RankMemory", "Replay", "Setup", "StepTime", "Work",
+           "WorkCounter", "format_plan", "load_config", "machine_memory", "measure_cpu", "needed_capacity", "replay", "run_plan", "step_time", "time_calls",
            "training_step", "write_plan"]

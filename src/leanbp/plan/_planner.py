@@ -49,6 +49,7 @@ from ..engine import SequenceGroup, has_values
 from ..memory import MemoryReport, track
 from ..streaming import PLANNED, StreamConfig, apply_method, old_chunk_sizes
 from ..streaming import method as method_named
+from ._allocator import needed_capacity, replay
 from ._presets import PRESETS, load_config  # noqa: F401  (re-exported: leanbp.plan.PRESETS)
 from ._setup import RankBytes, Setup, parameter_tensors, rank_bytes
 from ._time import StepTime, step_time
@@ -59,6 +60,8 @@ PLAN_DTYPES = ("bf16", "fp16", "fp32")
 
 OPTIMIZER_STEP = "optimizer step"  # the phase of the optimizer's own step (after backward)
 SEQUENCE_METHODS = ("leanbp", "leanbp_offload")  # the planned methods that split a sequence (sp > 1)
+# steps of a run the allocator's model plays: the second starts with what the first left cached
+REPLAY_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,24 @@ class Longest:
     bound: str
     device_seq_len: int
     host_seq_len: int | None
+
+
+@dataclass(frozen=True)
+class AllocatorFit:
+    """A step at T played through the model of PyTorch's CUDA caching allocator (``_allocator.py``,
+    ``REPLAY_STEPS`` steps, with the rank's resident bytes and the optimizer's state): the peak of
+    allocated bytes (the tensors, each rounded as the allocator rounds it) and ``needed``, the least
+    device memory the steps run in. Bytes."""
+
+    seq_len: int
+    allocated: int
+    needed: int
+
+    @property
+    def fragmentation(self) -> int:
+        """What the allocator needs beyond the tensors: segments cached or split when the next
+        request comes."""
+        return self.needed - self.allocated
 
 
 def _affine(points: list[tuple[int, int]]) -> tuple[float, float] | None:
@@ -211,6 +232,7 @@ class Planner:
     _work: dict = field(default_factory=dict, repr=False)  # (method, T) -> the fake step's work
     _trainable: int | None = field(default=None, repr=False)
     _rank: RankBytes | None = field(default=None, repr=False)
+    _fits: dict = field(default_factory=dict, repr=False)  # (method, T, optimizer) -> AllocatorFit
     _mode: object = field(default=None, repr=False)
     # deprecated: the chunk sizes before ``stream`` carried them
     chunk_size: InitVar[int | None] = None
@@ -268,13 +290,14 @@ class Planner:
                     p.grad = None if self.free_grads else p.grad if p.grad is not None else torch.zeros_like(p)
         return model
 
-    def _step_at_depth(self, method: str, T: int, depth: int) -> tuple[MemoryReport, Work]:
+    def _step_at_depth(self, method: str, T: int, depth: int, trace: list | None = None
+                       ) -> tuple[MemoryReport, Work]:
         # (with sp > 1: rank 0 of the group, holding the first T/P rows)
         group = PlannedSequenceGroup(size=self.setup.sp) if self.setup.sp > 1 else None
         model = apply_method(self._model(depth), method, self.stream, sequence_parallel=group)
         with self._mode, _one_document_per_row():
             ids = torch.zeros(self.batch, T // self.setup.sp, dtype=torch.long)
-            with track(model) as mem, WorkCounter() as counter:
+            with track(model, trace=trace) as mem, WorkCounter() as counter:
                 training_step(model, ids, self.hold_outputs)
         return mem.report, counter.work if group is None else replace(counter.work, exchange=float(group.sent[0]))
 
@@ -340,7 +363,7 @@ class Planner:
             raise ValueError(f"setup must be a leanbp.plan.Setup, got {type(setup).__name__}")
         _check_free_grads(self.free_grads, setup)
         other = copy.copy(self)  # (the caches are the same dicts: what either planner runs, both know)
-        other.setup, other._rank = setup, None
+        other.setup, other._rank, other._fits = setup, None, {}  # (the allocator's replays hold the rank's bytes)
         if setup.sp != self.setup.sp:  # (another step: its own fake steps, the fake models shared)
             other._lines, other._probes, other._steps, other._work = {}, {}, {}, {}
         return other
@@ -477,6 +500,70 @@ class Planner:
         """(the longest T, whether a fake step at that T confirmed it): ``longest`` in short."""
         found = self.longest(method, budget, optimizer, multiple)
         return found.seq_len, found.checked
+
+    # -- the caching allocator -------------------------------------------------------------------
+    def allocator(self, method: str, T: int, optimizer: bool = False) -> AllocatorFit:
+        """The step at T through the caching allocator's model: a fake step at the model's full
+        depth (the allocator's state does not extend along a depth line) records its allocations,
+        which ``REPLAY_STEPS`` steps replay after the rank's resident bytes."""
+        if _chunked(method):
+            raise ValueError(f"{method} streams its layers: a fake step at full depth is too slow to replay at the "
+                             "lengths it reaches (plan it with the reserve's fragmentation share)")
+        key = (method, T, optimizer)
+        if key not in self._fits:
+            trace: list = []
+            self._step_at_depth(method, T, self.layers, trace)
+            resident, state, update = self._rank_blocks(optimizer)
+            allocated = replay(trace, resident, None, REPLAY_STEPS, state, update).peak_allocated
+            self._fits[key] = AllocatorFit(T, allocated, needed_capacity(trace, resident, REPLAY_STEPS, state, update))
+        return self._fits[key]
+
+    def _rank_blocks(self, optimizer: bool) -> tuple[list, list, int]:
+        """(resident blocks, the optimizer's lazily made state, its step's temporary bytes) of one
+        rank for the allocator's model."""
+        rank = self.rank()
+        resident = [rank.weights, rank.buffers, max(rank.forward, rank.backward)]
+        if not self.free_grads:  # (else the step's trace makes them)
+            resident.append(rank.grads)
+        if not optimizer or not rank.optimizer:
+            return resident, [], rank.step if optimizer else 0
+        if self.setup.engine in ("zero2", "zero3"):  # (ZeRO makes its flat partitions when it starts)
+            return resident + [rank.optimizer], [], rank.step
+        # a torch optimizer makes two moments per parameter at its first step
+        sizes = [t.numel for t in parameter_tensors(self._model(self.layers)) if t.trainable]
+        total = sum(sizes)
+        return resident, [rank.optimizer * n // (2 * total) for n in sizes for _ in range(2)], rank.step
+
+    def longest_allocated(self, method: str, capacity: int, optimizer: bool = False, multiple: int = 256
+                          ) -> Longest:
+        """The longest T (a multiple of ``multiple``) whose steps run through the caching allocator's
+        model in ``capacity`` bytes of device memory (the GPU's memory less what is not the
+        allocator's: the CUDA context and cuBLAS workspaces), and fit the host budget. From the
+        lines' T for the tensors alone (an upper bound), each try takes the allocator's overhead at
+        the last T off the budget until the T repeats; a bisection between the longest T that fit and
+        the shortest that did not ends it (each try is a fake step at full depth)."""
+        lines = self._shift(self.lines(method), optimizer)
+        fits: dict = {}
+        T = lines.longest(capacity) // multiple * multiple
+        for _ in range(6):
+            if T <= 0 or T in fits:
+                break
+            fit = self.allocator(method, T, optimizer)
+            fits[T] = fit.needed <= capacity
+            T = lines.longest(capacity - fit.fragmentation) // multiple * multiple
+        lo = max((t for t, ok in fits.items() if ok), default=0)
+        hi = min((t for t, ok in fits.items() if not ok and t > lo), default=None)
+        while hi is not None and hi - lo > multiple:
+            mid = (lo + hi) // 2 // multiple * multiple
+            if self.allocator(method, mid, optimizer).needed <= capacity:
+                lo = mid
+            else:
+                hi = mid
+        host_T = lines.host_longest(self.setup.host_memory / self.setup.world)
+        host_T = None if host_T is None else host_T // multiple * multiple
+        if host_T is not None and host_T < lo:
+            return Longest(host_T, False, "host", lo, host_T)
+        return Longest(lo, True, "device", lo, host_T)
 
     def _affordable(self, method: str, T: int) -> bool:
         """Whether a fake step at T is quick enough to run (at most ``verify_limit`` layer chunks)."""

@@ -1,0 +1,109 @@
+"""The model of PyTorch's CUDA caching allocator (leanbp.plan._allocator) follows the allocator's
+rules, and the planner's longest T under it is the longest whose replay fits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leanbp.memory import MiB, track
+from leanbp.plan import CachingAllocator, OutOfMemory, Planner, needed_capacity, replay, training_step
+from leanbp.plan._allocator import round_request, segment_size
+from _helpers import plan_config
+
+
+def test_requests_round_to_512_bytes_and_segments_to_the_allocators_sizes():
+    assert [round_request(n) for n in (1, 512, 513)] == [512, 512, 1024]
+    # small requests share 2 MiB segments, 1-10 MiB ones 20 MiB, larger ones their size in 2 MiB steps
+    assert segment_size(MiB) == 2 * MiB
+    assert segment_size(MiB + 512) == 20 * MiB
+    assert segment_size(10 * MiB) == 10 * MiB
+    assert segment_size(10 * MiB + 512) == 12 * MiB
+
+
+def test_the_smallest_free_block_serves_and_is_split():
+    a = CachingAllocator()
+    big, small = a.malloc(100 * MiB), a.malloc(40 * MiB)
+    a.free(big)
+    a.free(small)
+    x = a.malloc(30 * MiB)  # best fit: the 40 MiB segment, split (10 MiB rest > 1 MiB)
+    assert (x.ptr, a.reserved) == (100 * MiB, 140 * MiB)
+    y = a.malloc(10 * MiB)  # the rest of it, exactly
+    assert y.ptr == 130 * MiB
+    z = a.malloc(60 * MiB)  # now only the 100 MiB segment holds it
+    assert z.ptr == 0 and a.reserved == 140 * MiB and a.allocated == 100 * MiB
+
+
+def test_a_large_request_never_takes_a_small_pool_block():
+    a = CachingAllocator()
+    a.free(a.malloc(512 * 1024))  # a 2 MiB small-pool segment, now free
+    a.malloc(int(1.5 * MiB))
+    assert a.reserved == 2 * MiB + 20 * MiB
+
+
+def test_freed_neighbours_merge_into_one_block():
+    a = CachingAllocator()
+    a.free(a.malloc(100 * MiB))
+    first, second, third = a.malloc(30 * MiB), a.malloc(30 * MiB), a.malloc(40 * MiB)
+    a.free(second)
+    a.free(first)
+    assert a.malloc(60 * MiB).ptr == 0 and a.reserved == 100 * MiB  # (the two 30s, merged)
+    a.free(third)
+
+
+def test_cached_segments_are_given_back_before_running_out():
+    a = CachingAllocator(capacity=100 * MiB)
+    a.free(a.malloc(60 * MiB))  # cached, whole
+    a.malloc(70 * MiB)  # 60 + 70 > 100: the cached 60 goes back to the driver first
+    assert a.reserved == 70 * MiB
+
+
+def test_a_split_segment_cannot_be_given_back_so_free_bytes_elsewhere_do_not_help():
+    a = CachingAllocator(capacity=100 * MiB)
+    a.free(a.malloc(60 * MiB))
+    a.malloc(20 * MiB)  # splits the cached 60 MiB segment: 40 MiB of it stay free
+    with pytest.raises(OutOfMemory):
+        a.malloc(60 * MiB)  # 80 MiB are not allocated, but no 60 MiB block is free or can be reserved
+
+
+def test_what_a_step_leaves_is_freed_before_the_next_and_the_optimizer_state_is_made_once():
+    kept = [("grad", 30 * MiB)]  # a gradient the step makes and the loop frees after it
+    assert replay(kept, steps=2).peak_allocated == 30 * MiB
+    # the moments a torch optimizer makes at its first step land in the step's cached segment, so the
+    # second step's 64 MiB tensor needs a segment of its own
+    trace = [("x", 64 * MiB), ("x", -64 * MiB)]
+    assert needed_capacity(trace, steps=1, state=[32 * MiB]) == 64 * MiB
+    assert needed_capacity(trace, steps=2, state=[32 * MiB]) == 128 * MiB
+    assert replay(trace, capacity=126 * MiB, steps=2, state=[32 * MiB]).oom is not None
+    # the optimizer step's own temporaries come and go after each step's trace
+    assert replay([], resident=[10 * MiB], update=20 * MiB).peak_allocated == 30 * MiB
+
+
+def test_the_tracker_trace_holds_every_storage_the_step_makes_and_frees():
+    config = plan_config()
+    model = __import__("transformers").AutoModelForCausalLM.from_config(config).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    trace: list = []
+    with track(model, trace=trace) as mem:
+        training_step(model, torch.randint(0, config.vocab_size, (1, 96)), hold_outputs=False)
+    live = peak = 0
+    for _, nbytes in trace:
+        live += nbytes
+        peak = max(peak, live)
+    assert peak == mem.report.peak - mem.report.params  # (the step started without gradients)
+    assert live == mem.report.grads  # what is left: the gradients it made
+
+
+def test_the_longest_T_under_the_allocator_is_the_longest_whose_replay_fits(bf16_planner):
+    planner = Planner(plan_config(), dtype="bf16", hold_outputs=False, setup=bf16_planner.setup)
+    tensors = planner.peak("ckpt", 4096).total
+    capacity = tensors + 2 * MiB
+    found = planner.longest_allocated("ckpt", capacity, multiple=128)
+    assert found.checked and 0 < found.seq_len
+    fit = planner.allocator("ckpt", found.seq_len)
+    assert fit.needed <= capacity < planner.allocator("ckpt", found.seq_len + 128).needed
+    assert fit.allocated >= planner.peak("ckpt", found.seq_len).total  # (each tensor rounded up to 512 bytes)
+    # what the allocator needs beyond the tensors makes it shorter than the tensors alone would be
+    assert found.seq_len < planner.longest("ckpt", capacity, multiple=128).seq_len
+    with pytest.raises(ValueError, match="streams its layers"):
+        planner.allocator("leanbp", 4096)
