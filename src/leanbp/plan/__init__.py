@@ -15,8 +15,10 @@ from ._setup import ENGINES, OPTIMIZERS, RankBytes, Setup, machine_memory
 from ._time import StepTime, step_time
 from ._work import Work, WorkCounter
 
-__all__ = ["AllocatorFit", "CachingAllocator", "CudaReserve", "DEFAULT_SEQ_LENS", "ENGINES", "GPUS", "Gpu", "Lines", "Longest", "OPTIMIZERS",
-           "OutOfMemory", "PLAN_DTYPES", "PRESETS", "Peak", "PlanRequest", "Planner", "REPLAY_STEPS", "RankBytes",
-           "RankMemory", "Replay", "Setup", "StepTime", "Work",
-           "WorkCounter", "format_plan", "load_config", "machine_memory", "measure_cpu", "needed_capacity", "replay", "run_plan", "step_time", "time_calls",
-           "training_step", "write_plan"]
+__all__ = [
+    "AllocatorFit", "CachingAllocator", "CudaReserve", "DEFAULT_SEQ_LENS", "ENGINES", "format_plan", "Gpu",
+    "GPUS", "Lines", "load_config", "Longest", "machine_memory", "measure_cpu", "needed_capacity",
+    "OPTIMIZERS", "OutOfMemory", "Peak", "PLAN_DTYPES", "Planner", "PlanRequest", "PRESETS", "RankBytes",
+    "RankMemory", "Replay", "replay", "REPLAY_STEPS", "run_plan", "Setup", "step_time", "StepTime",
+    "time_calls", "training_step", "Work", "WorkCounter", "write_plan",
+]

@@ -20,8 +20,12 @@ plain FP32 rate (PyTorch keeps ``allow_tf32`` off for matmuls by default).
   with sparsity = 2.25 dense, FP32 80 TFLOPS, 180 GB HBM3e at 8 TB/s per GPU, NVLink 5 1.8 TB/s;
   the host link is taken as PCIe Gen5, that of the x86 hosts HGX B200 boards ship with)
 
-The memory sizes are what ``--memory`` defaults to: A100/A800/H100 carry 80 GiB of HBM (five or
-six stacks of 16 GiB; the "80GB" of the data sheets), H200 and B200 are given in the vendor's GB.
+The memory sizes are what ``--memory`` defaults to, the memory the driver reports (nvidia-smi's
+total): the "80GB" of the A100/A800 is 80 GiB (81,920 MiB); the H100's 80 GiB of HBM shows as
+81,559 MiB, taken as 80 GiB here (0.4% more; the reserve's context absorbs it). The H200's "141GB"
+shows as 143,771 MiB (140.4 GiB) and the B200's "180GB" as 183,359 MiB (179.1 GiB): the vendors'
+figures are near the GiB the driver shows, not GB. (Until 2026-12-07 these two were taken as 141e9
+and 180e9 bytes, 131.3 and 167.6 GiB: ALST's H200 recipe reads 137.36 GiB in use, more than that.)
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..memory import GiB
+from ..memory import GiB, MiB
 from ._work import Operand, _cpu_flash_backward, _cpu_flash_forward
 
 __all__ = ["Gpu", "GPUS", "measure_cpu", "time_calls"]
@@ -85,9 +89,9 @@ GPUS: dict[str, Gpu] = {g.name: g for g in (
     Gpu("a800", "A800 80GB SXM", 80 * GiB, nvlink=200 * GB, **_A100, source="https://www.nvidia.cn/data-center/a800/"),
     Gpu("h100", "H100 SXM 80GB", 80 * GiB, flops={"bf16": 989 * TB, "fp32": 67 * TB}, hbm=3350 * GB, nvlink=450 * GB,
         pcie=64 * GB, source="https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"),
-    Gpu("h200", "H200 SXM 141GB", 141 * 10**9, flops={"bf16": 989 * TB, "fp32": 67 * TB}, hbm=4800 * GB,
+    Gpu("h200", "H200 SXM 141GB", 143771 * MiB, flops={"bf16": 989 * TB, "fp32": 67 * TB}, hbm=4800 * GB,
         nvlink=450 * GB, pcie=64 * GB, source="https://www.nvidia.com/en-us/data-center/h200/"),
-    Gpu("b200", "B200 (HGX) 180GB", 180 * 10**9, flops={"bf16": 2250 * TB, "fp32": 80 * TB}, hbm=8000 * GB,
+    Gpu("b200", "B200 (HGX) 180GB", 183359 * MiB, flops={"bf16": 2250 * TB, "fp32": 80 * TB}, hbm=8000 * GB,
         nvlink=900 * GB, pcie=64 * GB, source="https://www.nvidia.com/en-us/data-center/hgx/"),
 )}
 
