@@ -157,7 +157,7 @@ def _bench(args) -> int:
 
 def _add_plan(sub):
     from .memory import GiB
-    from .plan import DEFAULT_SEQ_LENS, GPUS, PLAN_DTYPES, PRESETS, CudaReserve, PlanRequest, Setup
+    from .plan import ALLOCATORS, DEFAULT_SEQ_LENS, GPUS, PLAN_DTYPES, PRESETS, CudaReserve, PlanRequest, Setup
     from .streaming import PLANNED
 
     reserve = CudaReserve()
@@ -180,7 +180,12 @@ def _add_plan(sub):
                    help="memory held back for what the plan does not model: CUDA context, kernel workspaces, "
                         f"allocator fragmentation (default auto: {reserve.context / GiB:g} GiB + "
                         f"{reserve.workspaces / 2**20:g} MiB + {100 * reserve.fragmentation:g}%% of --memory, the "
-                        "report says why)")
+                        "share left out with --allocator replay; the report says why)")
+    p.add_argument("--allocator", choices=ALLOCATORS, default=_default(PlanRequest, "allocator"),
+                   help="share (default): the reserve holds back a share of --memory for the CUDA caching allocator; "
+                        "replay: plain autograd's and checkpointing's steps are played (two steps) through a model of "
+                        "the allocator, which finds what it needs beyond the tensors (a fake step at full depth per "
+                        "try; the streamed methods keep the share)")
     p.add_argument("--dtype", choices=PLAN_DTYPES, default=_default(PlanRequest, "dtype"),
                    help="parameters and gradients")
     p.add_argument("--batch", type=int, default=_default(PlanRequest, "batch"), help="sequences per step and rank")
@@ -220,7 +225,7 @@ def _plan(args) -> int:
                           methods=[m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None,
                           modes=["backprop", "step"] if args.mode == "both" else [args.mode],
                           stream=_stream_config(args, "plan"), hold_outputs=not args.free_outputs,
-                          free_grads=args.free_grads, lora_rank=args.lora, setup=setup)
+                          free_grads=args.free_grads, lora_rank=args.lora, setup=setup, allocator=args.allocator)
     result = run_plan(request, load_config(args.model))
     print(format_plan(result))
     print(f"\nwritten to {write_plan(result, args.out)}/ (plan.md, plan.csv, plan.json, plan.png)")

@@ -107,3 +107,31 @@ def test_the_longest_T_under_the_allocator_is_the_longest_whose_replay_fits(bf16
     assert found.seq_len < planner.longest("ckpt", capacity, multiple=128).seq_len
     with pytest.raises(ValueError, match="streams its layers"):
         planner.allocator("leanbp", 4096)
+
+
+def test_leanbp_plan_allocator_replay_plans_checkpointing_through_the_model(tmp_path, capsys):
+    """--allocator replay: no fragmentation share in the default reserve, checkpointing's longest T
+    from the replay (marked †, and no row beyond it said to fit), a streamed method keeps the share."""
+    import json
+
+    from leanbp.cli import main
+    from leanbp.plan import CudaReserve, PlanRequest
+
+    assert PlanRequest(memory=80 * 2**30, allocator="replay").reserve == CudaReserve().context + CudaReserve().workspaces
+    with pytest.raises(ValueError, match="allocator must be one of"):
+        PlanRequest(allocator="expandable")
+    cfg = tmp_path / "config.json"
+    plan_config(layers=2).to_json_file(str(cfg))
+    assert main(["plan", "--model", str(cfg), "--memory", "2GiB", "--reserve", "0", "--methods", "ckpt,leanbp",
+                 "--mode", "backprop", "--allocator", "replay", "--seq-lens", "131072,262144",
+                 "--out", str(tmp_path / "plan")]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    ckpt, streamed = result["longest"]
+    assert ckpt["replayed"] and not streamed["replayed"]
+    assert ckpt["budget"] == 2 * 2**30 and streamed["budget"] == 2 * 2**30 - int(0.05 * 2 * 2**30)
+    assert f"| {ckpt['max_seq_len']:,} † |" in printed and "† two steps played through" in printed
+    assert 131072 < ckpt["max_seq_len"] < 262144
+    assert "| backprop | transformers checkpointing | 262,144* |" in printed
+    assert [line.split("|")[11].strip() for line in printed.splitlines()
+            if line.startswith("| backprop | transformers checkpointing |")] == ["yes", "no"]

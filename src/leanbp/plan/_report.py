@@ -7,7 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..memory import GiB, MiB
@@ -45,8 +45,15 @@ class CudaReserve:
         return self.context + self.workspaces + int(self.fragmentation * memory)
 
     def describe(self, memory: int) -> str:
-        return (f"CUDA context {self.context / GiB:.2f} + cuBLAS workspaces {self.workspaces / GiB:.2f} + allocator "
-                f"fragmentation {self.fragmentation:.0%} of the memory {self.fragmentation * memory / GiB:.2f} GiB")
+        parts = f"CUDA context {self.context / GiB:.2f} + cuBLAS workspaces {self.workspaces / GiB:.2f}"
+        if not self.fragmentation:
+            return parts
+        return (f"{parts} + allocator fragmentation {self.fragmentation:.0%} of the memory "
+                f"{self.fragmentation * memory / GiB:.2f} GiB")
+
+
+# how the plan accounts for the CUDA caching allocator (``PlanRequest.allocator``, ``--allocator``)
+ALLOCATORS = ("share", "replay")
 
 
 @dataclass
@@ -66,6 +73,10 @@ class PlanRequest:
     free_grads: bool = False  # the loop frees the gradients between steps (``Planner.free_grads``)
     lora_rank: int | None = None
     setup: Setup = field(default_factory=Setup)  # GPUs, engine, optimizer, host memory, GPU model, efficiency
+    # "share": the reserve holds back a share of the memory for the caching allocator's fragmentation;
+    # "replay": plain autograd's and checkpointing's steps are played through the allocator's model
+    # instead (``Planner.longest_allocated``), the streamed methods keep the share
+    allocator: str = "share"
     reserve_note: str = "given"  # where the reserve comes from (filled in for the default)
 
     def __post_init__(self):
@@ -85,12 +96,20 @@ class PlanRequest:
             raise ValueError(f"modes: {bad or 'none given'}; choose from backprop, step")
         if not self.seq_lens or any(not isinstance(t, int) or t < 1 for t in self.seq_lens):
             raise ValueError(f"seq_lens must be positive integers, got {self.seq_lens}")
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"allocator must be one of {ALLOCATORS}, got {self.allocator!r}")
         if self.memory is None:
             self.memory = GPUS[self.setup.gpu].memory
         if self.reserve is None:
             default = CudaReserve()
+            if self.allocator == "replay":  # (the model stands for the fragmentation share)
+                default = replace(default, fragmentation=0.0)
             self.reserve, parts = default.total(self.memory), default.describe(self.memory)
             self.reserve_note = f"default: {parts}; --reserve to change"
+        if self.allocator == "replay":
+            self.reserve_note += ("; plain autograd and checkpointing are played through the CUDA caching "
+                                  "allocator's model (two steps) in place of a fragmentation share, the streamed "
+                                  f"methods keep {CudaReserve().fragmentation:.0%} of the memory for it")
             if self.reserve >= self.memory:
                 raise ValueError(f"the default reserve ({parts}) is more than the memory ({self.memory / GiB:.2f} GiB): "
                                  "pass --reserve (e.g. 0 for a toy budget)")
@@ -100,6 +119,16 @@ class PlanRequest:
     @property
     def budget(self) -> int:
         return self.memory - self.reserve
+
+    def budget_of(self, method: str) -> int:
+        """The device budget ``method``'s longest T is planned against: with ``allocator="replay"`` a
+        streamed method, which is not replayed, keeps the default fragmentation share."""
+        if self.allocator == "replay" and METHODS[method].streamed:
+            return self.budget - int(CudaReserve().fragmentation * self.memory)
+        return self.budget
+
+    def replayed(self, method: str) -> bool:
+        return self.allocator == "replay" and not METHODS[method].streamed
 
 
 def run_plan(request: PlanRequest, config, progress: bool = True) -> dict:
@@ -121,11 +150,15 @@ def run_plan(request: PlanRequest, config, progress: bool = True) -> dict:
                 peak = planner.peak(method, T, optimizer)
                 peaks.append(dict(mode=mode, **_flat(peak), total=peak.total))
             bar.set_postfix_str(f"{method}: longest T ({mode})")
-            found = planner.longest(method, request.budget, optimizer)
+            if request.replayed(method):
+                found = planner.longest_allocated(method, request.budget, optimizer)
+            else:
+                found = planner.longest(method, request.budget_of(method), optimizer)
             at = planner.time(method, found.seq_len, optimizer) if found.seq_len else None
             longest.append(dict(mode=mode, method=method, max_seq_len=found.seq_len, checked=found.checked,
                                 bound=found.bound, device_seq_len=found.device_seq_len,
-                                host_seq_len=found.host_seq_len, step_s=at.total if at else None,
+                                host_seq_len=found.host_seq_len, budget=request.budget_of(method),
+                                replayed=request.replayed(method), step_s=at.total if at else None,
                                 tokens_per_s=at.tokens_per_s if at else None))
         bar.update()
     bar.close()
@@ -187,13 +220,18 @@ def format_plan(result: dict) -> str:
     ]
     budget = result["budget"]
     host_budget = setup["host_memory"] / gpus
+    by = {(r["mode"], r["method"]): r for r in result["longest"]}
     for p in result["peaks"]:
-        fits = p["total"] <= budget and p["host"] <= host_budget
+        found = by[(p["mode"], p["method"])]
+        # (a replayed method fits up to its longest T: the allocator's model, not the tensors, decides)
+        device = p["seq_len"] <= found["max_seq_len"] if found.get("replayed") else \
+            p["total"] <= found.get("budget", budget)
+        fits = device and p["host"] <= host_budget
         lines.append(
             f"| {p['mode']} | {METHODS[p['method']].label} | {p['seq_len']:,}{'' if p['probed'] else '*'} | "
             f"{_gib(p['weights'])} | {_gib(p['grads'])} | {_gib(p['optimizer'])} | {_gib(p['buffers'])} | "
             f"{_gib(p['activations'])} | {_gib(p['total'])} | {_gib(p['host']) if p['host'] else '-'} | "
-            f"{'yes' if fits else 'no (host)' if p['total'] <= budget else 'no'} | {p['phase']} | "
+            f"{'yes' if fits else 'no (host)' if device else 'no'} | {p['phase']} | "
             f"{_seconds(p['step_s'])} | {p['tokens_per_s']:,.0f} |")
     lines += ["", f"Longest sequence that fits {_gib(budget)} GiB of device memory per rank and "
                   f"{_gib(setup['host_memory'])} GiB of host memory for all {gpus} rank{'s' if gpus > 1 else ''} (a "
@@ -201,14 +239,22 @@ def format_plan(result: dict) -> str:
                   "memory stops it first), with the step's time there:", "",
               "| method | " + " | ".join(f"{m} T | {m} step s" for m in req["modes"]) + " |",
               "|---|" + "---|---|" * len(req["modes"])]
-    by = {(r["mode"], r["method"]): r for r in result["longest"]}
     for method in req["methods"]:
         cells = []
         for m in req["modes"]:
             r = by[(m, method)]
-            cells.append(f"{r['max_seq_len']:,}{'' if r['checked'] else '*'}{' (host)' if r['bound'] == 'host' else ''}")
+            cells.append(f"{r['max_seq_len']:,}{'' if r['checked'] else '*'}{' (host)' if r['bound'] == 'host' else ''}"
+                         f"{' †' if r.get('replayed') else ''}")
             cells.append(_seconds(r["step_s"]))
         lines.append(f"| {METHODS[method].label} | " + " | ".join(cells) + " |")
+    if any(r.get("replayed") for r in result["longest"]):
+        note = (f"† two steps played through the model of PyTorch's CUDA caching allocator fit {_gib(budget)} GiB (it "
+                "needs more than the tensors: segments stay cached, or split when a larger request comes)")
+        shared = [r for r in result["longest"] if not r.get("replayed")]
+        if shared:
+            note += (f"; the streamed methods' tensors fit {_gib(shared[0]['budget'])} GiB, a share of the memory held "
+                     "back for the allocator")
+        lines += ["", note]
     return "\n".join(lines)
 
 
