@@ -23,7 +23,10 @@
    warm-up): gradient checkpointing, leanbp, and leanbp with host offload (whose copies should
    hide behind the compute); what the process holds beside its tensors (the CUDA context and
    workspaces: used minus reserved; the allocator's fragmentation: peak reserved minus peak
-   allocated), the numbers behind ``leanbp plan``'s default reserve.
+   allocated), the numbers behind ``leanbp plan``'s default reserve. Beside checkpointing's
+   measured peaks, what ``leanbp plan --allocator replay`` predicts for the same steps (the
+   tensors' peak, and the allocator's reserved peak from its model replaying the fake step), so
+   that a GPU run checks the model.
 
 Writes cuda_check.json (the card, torch, the date, every number) and prints a line per check;
 exits 1 if a check fails.
@@ -269,10 +272,20 @@ def timing(shape, device, layers, T, method, steps=3):
                    # beside the tensors: the CUDA context, cuBLAS/cuDNN workspaces (used - reserved)
                    outside_allocator_gib=(total - free - torch.cuda.memory_reserved(device)) / 2**30)
         row["fragmentation_gib"] = row["peak_reserved_gib"] - row["peak_gib"]
+    if method == "ckpt":  # the allocator's model on the same steps (outputs dropped, gradients kept)
+        fit = _planned(config, T, steps + 1)
+        row.update(planned_peak_gib=fit.allocated / 2**30, planned_reserved_gib=fit.reserved / 2**30)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def _planned(config, T, steps):
+    from leanbp.plan import Planner
+
+    # (outputs dropped before backward, gradients resident: zero_grad(set_to_none=False) keeps them)
+    return Planner(config, dtype="bf16", hold_outputs=False, replay_steps=steps).allocator("ckpt", T)
 
 
 def main(argv=None):
@@ -322,6 +335,10 @@ def main(argv=None):
             result["timing"].append(row)
             pair[method] = row["step_s"]
             save()
+            if "peak_reserved_gib" in row and "planned_reserved_gib" in row:
+                print(f"T={T} ckpt memory: allocated {row['peak_gib']:.2f} GiB (planned {row['planned_peak_gib']:.2f}), "
+                      f"reserved {row['peak_reserved_gib']:.2f} GiB (the allocator's model "
+                      f"{row['planned_reserved_gib']:.2f})", flush=True)
         print(f"T={T}: ckpt {pair['ckpt']:.3f} s, leanbp {pair['leanbp']:.3f} s "
               f"({pair['leanbp'] / pair['ckpt']:.3f}x), leanbp + offload {pair['leanbp_offload']:.3f} s "
               f"({pair['leanbp_offload'] / pair['ckpt']:.3f}x)", flush=True)

@@ -10,7 +10,9 @@ with the published one; a row whose set-up needs what the planner does not model
 sequence parallelism, offloading the checkpoints of transformers' checkpointing, TiledMLP, fused
 logits kernels) says so and shows the planner's nearest set-up. Budgets: the GPU's memory less the
 planner's default reserve (CUDA context, cuBLAS workspaces, 5% for the allocator's fragmentation).
-Writes published.md (the table docs/planner.md shows), published.csv and published.json.
+For plain autograd and checkpointing a second column replays two steps through the model of the
+CUDA caching allocator (``Planner.longest_allocated``) in the GPU's memory less the context and the
+workspaces, in place of the 5% share. Writes published.md (the table docs/planner.md shows), published.csv and published.json.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Row:
     why_not: str = ""  # for a row the planner cannot reproduce: what it lacks
     assumes: str = ""
     memory_at: dict = field(default_factory=dict)  # method -> (T, published bytes): a step's memory to compare
+    oom_at: int | None = None  # the published run ran out of memory at this T: the plan must stop before it
     host_memory: int = 2 * 2**40
 
 
@@ -81,16 +84,32 @@ ROWS = [
         gpu="h100", mode="step", setup=dict(optimizer="adamw-bf16"), hold_outputs=False, free_grads=True,
         assumes="--mode step --optimizer adamw-bf16 (Trainer's fused AdamW on bf16 weights) --free-outputs "
                 "--free-grads (Trainer frees the gradients between steps); the guide reports '32k tokens' from its "
-                "plot (32,768 taken)"),
+                "plot (32,768 taken); the guide does not say which optimizer (the trl-4b-oom row: TRL's own release "
+                "notes run out at 16,384 with fp32 AdamW)"),
+    Row("trl-4b-oom", "TRL v1.4.0 release notes (github.com/huggingface/trl/releases/tag/v1.4.0), chunked_nll's table",
+        "Qwen3-4B, one H100 80GB, TRL SFTTrainer, 'AdamW fp32', the plain loss (loss_type='nll'): out of memory at "
+        "16,384 tokens", "qwen3-4b", {"ckpt": None}, gpu="h100", mode="step", setup=dict(optimizer="adamw"),
+        hold_outputs=False, free_grads=True, oom_at=16384,
+        assumes="--mode step --optimizer adamw (fp32 moments and an fp32 master of the bf16 weights) --free-outputs "
+                "--free-grads; gradient checkpointing taken (SFTConfig's default); a published OOM: the plan must stop "
+                "before 16,384"),
     Row("alst-baseline", f"{ALST}: run-h100-sp1-llama-8b-baseline.yml", "Llama-3.1-8B, one H100 80GB, ZeRO-3 with "
         "weights and optimizer offloaded to the CPU (cpu_adam), transformers' checkpointing, plain loss, bf16: the "
-        "recipe's max_length 36,000 ('w/ param offload close to oom'); at 32,000 'NV 71.91 GB' (nvidia-smi: the "
-        "allocator's reserved memory and the CUDA context, not the tensors' peak)", "llama-3.1-8b", {"ckpt": 36000},
+        "recipe's max_length 36,000 ('w/ param offload close to oom'); at 32,000 'NV 71.91 GB' (ArcticTraining's "
+        "see_memory_usage: NVML's used memory / 2**30, so GiB: the allocator's reserved memory and the CUDA "
+        "context)", "llama-3.1-8b", {"ckpt": 36000},
         gpu="h100", mode="step",
         setup=dict(engine="zero3", optimizer="host", offload_params=True), hold_outputs=False,
-        memory_at={"ckpt": (32000, 71.91e9)},
+        memory_at={"ckpt": (32000, 71.91 * GiB)},
         assumes="--engine zero3 --optimizer host --offload-params --mode step --free-outputs (ArcticTraining's loss() "
                 "returns the loss only); flash_attention_2 with packed samples keeps what SDPA's flash kernel keeps"),
+    Row("alst-baseline-h200", f"{ALST}: run-h200-sp1-llama-8b-baseline.yml", "the same on one H200 (143,771 MiB), "
+        "flash_attention_3: max_length 65,000 ('ok 137.36 GB', GiB as above). A length that ran, not the longest "
+        "that runs", "llama-3.1-8b", {"ckpt": 65000},
+        gpu="h200", mode="step",
+        setup=dict(engine="zero3", optimizer="host", offload_params=True), hold_outputs=False,
+        memory_at={"ckpt": (65000, 137.36 * GiB)},
+        assumes="as the H100 row; flash_attention_3 keeps what SDPA's flash kernel keeps"),
     Row("alst-500k", f"{ALST}: run-h100-sp1-llama-8b.yml", "Llama-3.1-8B, one H100 80GB: ALST (checkpoints offloaded to "
         "the CPU, TiledMLP, Liger's fused logits+loss) with ZeRO-3 weights and optimizer offload: 500,000 tokens",
         "llama-3.1-8b", {"leanbp_offload": 500000}, gpu="h100", mode="step",
@@ -141,6 +160,7 @@ def plan_row(row: Row, stream: StreamConfig) -> list[dict]:
     memory = gpu.memory
     reserve = CudaReserve()
     budget = memory - reserve.total(memory)
+    capacity = memory - reserve.context - reserve.workspaces  # (the allocator's, with the replay in place of a share)
     planner = Planner(load_config(row.model), dtype="bf16", stream=stream, hold_outputs=row.hold_outputs,
                       free_grads=row.free_grads, lora_rank=row.lora, setup=setup)
     optimizer = row.mode == "step"
@@ -152,6 +172,9 @@ def plan_row(row: Row, stream: StreamConfig) -> list[dict]:
         found = planner.longest(method, budget, optimizer)
         at = planner.time(method, found.seq_len, optimizer) if found.seq_len else None
         published = row.published.get(method)
+        # the same with the caching allocator's model replayed in place of the reserve's 5% share
+        # (methods whose full-depth fake step is quick: not the streamed ones)
+        replayed = None if METHODS[method].streamed else planner.longest_allocated(method, capacity, optimizer)
         memory_note = ""
         if row.key == "trl-1m-sp8" and found.seq_len >= 1_048_576:
             peak = planner.peak(method, 1_048_576, optimizer)
@@ -159,13 +182,25 @@ def plan_row(row: Row, stream: StreamConfig) -> list[dict]:
         if method in row.memory_at:
             T, bytes_ = row.memory_at[method]
             peak = planner.peak(method, T, optimizer)
-            memory_note = (f"{peak.total / 1e9:.1f} GB of tensors planned at {T:,} tokens, "
-                           f"{(peak.total + memory - budget) / 1e9:.1f} GB with the planner's reserve (context, "
-                           f"workspaces, {reserve.fragmentation:.0%} fragmentation), vs {bytes_ / 1e9:.2f} GB published")
+            fit = planner.allocator(method, T, optimizer)
+            memory_note = (f"at {T:,} tokens: {peak.total / GiB:.1f} GiB of tensors planned, "
+                           f"{(peak.total + memory - budget) / GiB:.1f} GiB with the default reserve (context, "
+                           f"workspaces, {reserve.fragmentation:.0%} fragmentation); through the allocator's model "
+                           f"{fit.needed / GiB:.1f} GiB + context and workspaces "
+                           f"{(reserve.context + reserve.workspaces) / GiB:.2f} GiB = "
+                           f"{(fit.needed + reserve.context + reserve.workspaces) / GiB:.1f} GiB, vs "
+                           f"{bytes_ / GiB:.2f} GiB published")
+        if row.oom_at:  # (a published out-of-memory: the plan agrees when its longest T is shorter)
+            peak = planner.peak(method, row.oom_at, optimizer)
+            memory_note = (f"{peak.total / GiB:.1f} GiB of tensors planned at {row.oom_at:,} tokens; the plan "
+                           f"{'agrees' if found.seq_len < row.oom_at else 'disagrees'} (longest {found.seq_len:,}"
+                           + (f", allocator replayed {replayed.seq_len:,}" if replayed else "") + ")")
         out.append(dict(key=row.key, source=row.source, published_setup=row.setup_text, model=row.model,
                         gpu=gpu.label, mode=row.mode, method=method, label=METHODS[method].label,
                         published=published, planned=found.seq_len, checked=found.checked, bound=found.bound,
-                        rel_diff=(found.seq_len / published - 1) if published else None,
+                        rel_diff=(found.seq_len / published - 1) if published else None, oom_at=row.oom_at,
+                        replayed=replayed.seq_len if replayed else None,
+                        replayed_rel_diff=(replayed.seq_len / published - 1) if replayed and published else None,
                         reproducible=row.reproducible and method in ("plain", "ckpt"),
                         comparable=row.reproducible, why_not=row.why_not, assumes=row.assumes,
                         step_s=at.total if at else None, tokens_per_s=at.tokens_per_s if at else None,
@@ -190,22 +225,31 @@ def trl_time(stream: StreamConfig, efficiency: float) -> dict:
 def markdown(rows: list[dict], time_row: dict, command: str) -> str:
     lines = [f"`{command}` ({date.today().isoformat()}; plans on this CPU, budgets = the GPU's memory less the "
              "default reserve):", "",
-             "| source | published set-up | method | published T | planned T | difference | planner options "
-             "and assumptions |", "|---|---|---|---|---|---|---|"]
+             "| source | published set-up | method | published T | planned T | difference | planned T, allocator "
+             "replayed | difference | planner options and assumptions |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        published = f"{r['published']:,}" if r["published"] else "-"
+        published = f"{r['published']:,}" if r["published"] else f"OOM at {r['oom_at']:,}" if r["oom_at"] else "-"
         planned = f"{r['planned']:,}{'' if r['checked'] else '*'}{' (host)' if r['bound'] == 'host' else ''}"
-        if r["rel_diff"] is None:
+        if r["oom_at"]:  # (agrees: the plan stops before the published run ran out)
+            diff = "agrees" if r["planned"] < r["oom_at"] else "disagrees"
+        elif r["rel_diff"] is None:
             diff = "-"
         elif r["comparable"]:
             diff = f"{100 * r['rel_diff']:+.1f}%"
         else:
             diff = "not comparable"
+        replayed = f"{r['replayed']:,}" if r["replayed"] else "-"
+        if r["oom_at"] and r["replayed"]:
+            replayed_diff = "agrees" if r["replayed"] < r["oom_at"] else "disagrees"
+        elif r["replayed_rel_diff"] is None:
+            replayed_diff = "-"
+        else:
+            replayed_diff = f"{100 * r['replayed_rel_diff']:+.1f}%" if r["comparable"] else "not comparable"
         notes = r["assumes"] + (f"; {r['memory_note']}" if r["memory_note"] else "")
         if not r["comparable"]:
             notes = f"**Not reproducible:** {r['why_not']}. " + notes
         lines.append(f"| {r['source']} | {r['published_setup']} | {r['label']} | {published} | {planned} | {diff} | "
-                     f"{notes} |")
+                     f"{replayed} | {replayed_diff} | {notes} |")
     lines += ["", f"Time: the planner's work of one 1,048,576-token checkpointed step of Qwen3-8B "
                   f"({time_row['flops'] / 1e18:.2f} EFLOP) over 8 H100s at efficiency {time_row['efficiency']:g}: "
                   f"{time_row['predicted_s']:.0f} s (compute {time_row['compute_s']:.0f} s + memory-bound ops "
@@ -227,8 +271,9 @@ def main() -> None:
         for r in plan_row(row, stream):
             rows.append(r)
             diff = "" if r["rel_diff"] is None else f" ({100 * r['rel_diff']:+.1f}%)"
-            print(f"{r['key']:14s} {r['method']:15s} published {r['published']} planned {r['planned']:,}{diff} "
-                  f"[{r['bound']}] {r['memory_note']} ({r['plan_s']:.0f} s)", flush=True)
+            replayed = "" if r["replayed"] is None else f", allocator replayed {r['replayed']:,}"
+            print(f"{r['key']:14s} {r['method']:15s} published {r['published']} planned {r['planned']:,}{diff}"
+                  f"{replayed} [{r['bound']}] {r['memory_note']} ({r['plan_s']:.0f} s)", flush=True)
     time_row = trl_time(stream, Setup().efficiency)
     print(f"TRL 1M time: predicted {time_row['predicted_s']:.0f} s vs 380 s", flush=True)
     out = Path(args.out)

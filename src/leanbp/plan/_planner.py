@@ -131,13 +131,15 @@ class Longest:
 @dataclass(frozen=True)
 class AllocatorFit:
     """A step at T played through the model of PyTorch's CUDA caching allocator (``_allocator.py``,
-    ``REPLAY_STEPS`` steps, with the rank's resident bytes and the optimizer's state): the peak of
-    allocated bytes (the tensors, each rounded as the allocator rounds it) and ``needed``, the least
-    device memory the steps run in. Bytes."""
+    ``Planner.replay_steps`` steps, with the rank's resident bytes and the optimizer's state): the
+    peak of allocated bytes (the tensors, each rounded as the allocator rounds it), ``needed``, the
+    least device memory the steps run in, and ``reserved``, what the allocator holds at its peak
+    when nothing limits it (``torch.cuda.max_memory_reserved`` of such a run). Bytes."""
 
     seq_len: int
     allocated: int
     needed: int
+    reserved: int
 
     @property
     def fragmentation(self) -> int:
@@ -213,7 +215,8 @@ class Planner:
     in the micro-steps of gradient accumulation after the first (one engine, or DDP: the sharded
     engines keep their gradient shares through the step); lora_rank: train LoRA adapters of this rank on every linear layer but the
     head (PEFT's "all-linear"), the base frozen; setup: the GPUs, engine, optimizer and host memory
-    (``Setup``; default one GPU, AdamW); verify_limit: a fake step to check the longest T is run when
+    (``Setup``; default one GPU, AdamW); replay_steps: steps of a run the caching allocator's model
+    plays (``allocator``); verify_limit: a fake step to check the longest T is run when
     it has at most this many layer chunks."""
 
     config: object
@@ -225,6 +228,7 @@ class Planner:
     lora_rank: int | None = None
     verify_limit: int = 64
     setup: Setup = field(default_factory=Setup)
+    replay_steps: int = REPLAY_STEPS  # steps the allocator's model plays (``allocator``)
     _models: dict = field(default_factory=dict, repr=False)
     _lines: dict = field(default_factory=dict, repr=False)
     _probes: dict = field(default_factory=dict, repr=False)  # method -> the T of its lines' last three probes
@@ -505,7 +509,7 @@ class Planner:
     def allocator(self, method: str, T: int, optimizer: bool = False) -> AllocatorFit:
         """The step at T through the caching allocator's model: a fake step at the model's full
         depth (the allocator's state does not extend along a depth line) records its allocations,
-        which ``REPLAY_STEPS`` steps replay after the rank's resident bytes."""
+        which ``replay_steps`` steps replay after the rank's resident bytes."""
         if _chunked(method):
             raise ValueError(f"{method} streams its layers: a fake step at full depth is too slow to replay at the "
                              "lengths it reaches (plan it with the reserve's fragmentation share)")
@@ -514,8 +518,11 @@ class Planner:
             trace: list = []
             self._step_at_depth(method, T, self.layers, trace)
             resident, state, update = self._rank_blocks(optimizer)
-            allocated = replay(trace, resident, None, REPLAY_STEPS, state, update).peak_allocated
-            self._fits[key] = AllocatorFit(T, allocated, needed_capacity(trace, resident, REPLAY_STEPS, state, update))
+            steps = self.replay_steps
+            unlimited = replay(trace, resident, None, steps, state, update)
+            self._fits[key] = AllocatorFit(T, unlimited.peak_allocated,
+                                           needed_capacity(trace, resident, steps, state, update),
+                                           unlimited.peak_reserved)
         return self._fits[key]
 
     def _rank_blocks(self, optimizer: bool) -> tuple[list, list, int]:
