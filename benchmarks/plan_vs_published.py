@@ -185,10 +185,10 @@ def plan_row(row: Row, stream: StreamConfig) -> list[dict]:
             fit = planner.allocator(method, T, optimizer)
             memory_note = (f"at {T:,} tokens: {peak.total / GiB:.1f} GiB of tensors planned, "
                            f"{(peak.total + memory - budget) / GiB:.1f} GiB with the default reserve (context, "
-                           f"workspaces, {reserve.fragmentation:.0%} fragmentation); through the allocator's model "
-                           f"{fit.needed / GiB:.1f} GiB + context and workspaces "
+                           f"workspaces, {reserve.fragmentation:.0%} fragmentation); the allocator's model reserves "
+                           f"{fit.reserved / GiB:.1f} GiB over two steps, + context and workspaces "
                            f"{(reserve.context + reserve.workspaces) / GiB:.2f} GiB = "
-                           f"{(fit.needed + reserve.context + reserve.workspaces) / GiB:.1f} GiB, vs "
+                           f"{(fit.reserved + reserve.context + reserve.workspaces) / GiB:.1f} GiB, vs "
                            f"{bytes_ / GiB:.2f} GiB published")
         if row.oom_at:  # (a published out-of-memory: the plan agrees when its longest T is shorter)
             peak = planner.peak(method, row.oom_at, optimizer)
