@@ -29,9 +29,10 @@ fake step's, its weights, gradients, optimizer state and the engine's buffers ar
 constants they are. The host holds what offload and a host optimizer keep there; the longest T
 honours the device budget and the host budget (all ranks of the machine together).
 
-What it does not model: allocator fragmentation and caching, the CUDA context, kernel workspaces
-(cuBLAS, flash attention) and NCCL's own buffers; ``leanbp plan --reserve`` holds them back from the
-budget. The attention kernels are the CPU ones (SDPA's flash kernel for transformers, leanbp's
+What the lines do not model: allocator fragmentation and caching, the CUDA context, kernel
+workspaces (cuBLAS, flash attention) and NCCL's own buffers; ``leanbp plan --reserve`` holds them
+back from the budget. ``allocator`` and ``longest_allocated`` model the first: two steps of a fake
+step at full depth played through the model of PyTorch's caching allocator (``_allocator.py``). The attention kernels are the CPU ones (SDPA's flash kernel for transformers, leanbp's
 two-block (out, lse) attention), which keep what the CUDA flash kernels keep.
 """
 

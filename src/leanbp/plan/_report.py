@@ -34,7 +34,8 @@ class CudaReserve:
       share of the device memory: 5%, an assumption. It depends on how allocation sizes change over
       a run (from tens of MiB to 16 of 93 reserved GiB in meta-pytorch/torchrec PR 4584); a streamed
       step repeats the same chunk sizes, and ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
-      keeps it small. ``benchmarks/cuda_check.py`` measures it when a GPU is lent.
+      keeps it small. ``benchmarks/cuda_check.py`` measures it when a GPU is lent. With
+      ``--allocator replay`` the allocator's model (``_allocator.py``) stands for it instead.
     """
 
     context: int = GiB
