@@ -32,8 +32,9 @@ honours the device budget and the host budget (all ranks of the machine together
 What the lines do not model: allocator fragmentation and caching, the CUDA context, kernel
 workspaces (cuBLAS, flash attention) and NCCL's own buffers; ``leanbp plan --reserve`` holds them
 back from the budget. ``allocator`` and ``longest_allocated`` model the first: two steps of a fake
-step at full depth played through the model of PyTorch's caching allocator (``_allocator.py``). The attention kernels are the CPU ones (SDPA's flash kernel for transformers, leanbp's
-two-block (out, lse) attention), which keep what the CUDA flash kernels keep.
+step at full depth played through the model of PyTorch's caching allocator (``_allocator.py``).
+The attention kernels are the CPU ones (SDPA's flash kernel for transformers, leanbp's two-block
+(out, lse) attention), which keep what the CUDA flash kernels keep.
 """
 
 from __future__ import annotations
@@ -552,12 +553,14 @@ class Planner:
         the shortest that did not ends it (each try is a fake step at full depth)."""
         lines = self._shift(self.lines(method), optimizer)
         fits: dict = {}
-        T = lines.longest(capacity) // multiple * multiple
+        T = upper = lines.longest(capacity) // multiple * multiple
         for _ in range(6):
             if T <= 0 or T in fits:
                 break
             fit = self.allocator(method, T, optimizer)
             fits[T] = fit.needed <= capacity
+            if fits[T] and T == upper:  # (no longer T fits even the tensors)
+                break
             T = lines.longest(capacity - fit.fragmentation) // multiple * multiple
         lo = max((t for t, ok in fits.items() if ok), default=0)
         hi = min((t for t, ok in fits.items() if not ok and t > lo), default=None)

@@ -107,13 +107,13 @@ class PlanRequest:
                 default = replace(default, fragmentation=0.0)
             self.reserve, parts = default.total(self.memory), default.describe(self.memory)
             self.reserve_note = f"default: {parts}; --reserve to change"
+            if self.reserve >= self.memory:
+                raise ValueError(f"the default reserve ({parts}) is more than the memory ({self.memory / GiB:.2f} GiB): "
+                                 "pass --reserve (e.g. 0 for a toy budget)")
         if self.allocator == "replay":
             self.reserve_note += ("; plain autograd and checkpointing are played through the CUDA caching "
                                   "allocator's model (two steps) in place of a fragmentation share, the streamed "
                                   f"methods keep {CudaReserve().fragmentation:.0%} of the memory for it")
-            if self.reserve >= self.memory:
-                raise ValueError(f"the default reserve ({parts}) is more than the memory ({self.memory / GiB:.2f} GiB): "
-                                 "pass --reserve (e.g. 0 for a toy budget)")
         if self.reserve >= self.memory:
             raise ValueError("the reserve must be smaller than the memory")
 
