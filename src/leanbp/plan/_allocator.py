@@ -33,7 +33,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-KB_512 = 512
+MIN_BLOCK = 512  # every request is rounded up to a multiple of this (kMinBlockSize)
 SMALL_REQUEST = 1 << 20  # requests up to this size come from the small pool
 SMALL_SEGMENT = 2 << 20
 LARGE_SEGMENT = 20 << 20  # the segment of a large request under MIN_LARGE_SEGMENT
@@ -62,7 +62,7 @@ class _Block:
 
 
 def round_request(nbytes: int) -> int:
-    return max(KB_512, -(-nbytes // KB_512) * KB_512)
+    return max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
 
 
 def segment_size(size: int) -> int:
@@ -109,7 +109,7 @@ class CachingAllocator:
         else:
             block = self._reserve(size, small)
         rest = block.size - size
-        if rest >= KB_512 if small else rest > SMALL_REQUEST:
+        if rest >= MIN_BLOCK if small else rest > SMALL_REQUEST:
             remainder = _Block(block.ptr + size, rest, small)
             remainder.prev, remainder.next = block, block.next
             if block.next is not None:
