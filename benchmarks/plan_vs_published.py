@@ -12,7 +12,8 @@ logits kernels) says so and shows the planner's nearest set-up. Budgets: the GPU
 planner's default reserve (CUDA context, cuBLAS workspaces, 5% for the allocator's fragmentation).
 For plain autograd and checkpointing a second column replays two steps through the model of the
 CUDA caching allocator (``Planner.longest_allocated``) in the GPU's memory less the context and the
-workspaces, in place of the 5% share. Writes published.md (the table docs/planner.md shows), published.csv and published.json.
+workspaces, in place of the 5% share. Writes published.md (the table docs/planner.md shows),
+published.csv and published.json.
 """
 
 from __future__ import annotations
