@@ -178,5 +178,7 @@ def test_the_prepared_gpu_check_runs_on_cpu(tmp_path):
         (c, d) for c in ("window", "padding", "documents", "softcap") for d in ("fp32", "bf16")}
     assert all(r["ok"] for r in result["masks"]) and all(r["bit_identical"] for r in result["offload"])
     assert {r["method"] for r in result["timing"]} == {"ckpt", "leanbp", "leanbp_offload"}
-    # the allocator's model beside checkpointing's measured peaks (a GPU run compares them)
-    assert all(r["planned_reserved_gib"] >= r["planned_peak_gib"] > 0 for r in result["timing"] if r["method"] == "ckpt")
+    # the allocator's model beside checkpointing's measured peaks (a GPU run compares them): twice the
+    # rows, more planned memory
+    planned = [(r["planned_peak_gib"], r["planned_reserved_gib"]) for r in result["timing"] if r["method"] == "ckpt"]
+    assert len(planned) == 2 and planned[1][0] > planned[0][0] and planned[1][1] > planned[0][1]

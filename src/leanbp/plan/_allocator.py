@@ -5,8 +5,8 @@ the driver in segments and caches what is freed, and a free block can only serve
 large enough for. A step whose loss makes 16 GiB tensors of two sizes can fail with enough free
 bytes in total but no free block large enough. The planner's default reserve holds back a flat
 share for this (``CudaReserve.fragmentation``); ``replay`` plays a step's allocations and frees
-through the allocator's rules instead, and ``needed_capacity`` finds the least device memory with
-which the step runs without running out.
+through the allocator's rules instead, and ``needed_capacity`` finds the device memory with which
+the step runs without running out.
 
 The rules are those of the native allocator with the default settings (no ``max_split_size_mb``,
 no expandable segments, no garbage collection threshold), from c10/cuda/CUDACachingAllocator.cpp:
@@ -209,9 +209,11 @@ def replay(trace: Trace, resident=(), capacity: int | None = None, steps: int = 
 
 
 def needed_capacity(trace: Trace, resident=(), steps: int = 2, state=(), update: int = 0) -> int:
-    """The least device memory (a multiple of 2 MiB) with which ``replay`` runs without running out:
-    found by bisection between the allocated peak (too little) and what the allocator reserves
-    when nothing limits it (enough)."""
+    """The device memory (a multiple of 2 MiB) with which ``replay`` runs without running out, found
+    by bisection between the allocated peak (too little) and what the allocator reserves when
+    nothing limits it (enough). The least such memory when fitting is monotone in the memory; the
+    allocator is not quite (more memory can keep a segment that a tighter run gave back, and then
+    split it), so a decision for one memory replays at that memory (``replay(...).fits``)."""
     unlimited = replay(trace, resident, None, steps, state, update)
     hi = -(-unlimited.peak_reserved // ROUND_LARGE) * ROUND_LARGE
     lo = -(-unlimited.peak_allocated // ROUND_LARGE) * ROUND_LARGE - ROUND_LARGE

@@ -135,8 +135,10 @@ class AllocatorFit:
     """A step at T played through the model of PyTorch's CUDA caching allocator (``_allocator.py``,
     ``Planner.replay_steps`` steps, with the rank's resident bytes and the optimizer's state): the
     peak of allocated bytes (the tensors, each rounded as the allocator rounds it), ``needed``, the
-    least device memory the steps run in, and ``reserved``, what the allocator holds at its peak
-    when nothing limits it (``torch.cuda.max_memory_reserved`` of such a run). Bytes."""
+    device memory the steps run in as a bisection finds it, and ``reserved``, what the allocator
+    holds at its peak when nothing limits it (``torch.cuda.max_memory_reserved`` of such a run).
+    Bytes. (Whether the steps run in a given memory is ``Planner.fits``: the allocator is not
+    monotone in the memory, a run can fit in c bytes and not in c + 2 MiB.)"""
 
     seq_len: int
     allocated: int
@@ -238,7 +240,8 @@ class Planner:
     _work: dict = field(default_factory=dict, repr=False)  # (method, T) -> the fake step's work
     _trainable: int | None = field(default=None, repr=False)
     _rank: RankBytes | None = field(default=None, repr=False)
-    _fits: dict = field(default_factory=dict, repr=False)  # (method, T, optimizer) -> AllocatorFit
+    _fits: dict = field(default_factory=dict, repr=False)  # (method, T, optimizer, steps) -> AllocatorFit
+    _traces: dict = field(default_factory=dict, repr=False)  # the same key -> its _Replayer (the last one)
     _mode: object = field(default=None, repr=False)
     # deprecated: the chunk sizes before ``stream`` carried them
     chunk_size: InitVar[int | None] = None
@@ -369,7 +372,7 @@ class Planner:
             raise ValueError(f"setup must be a leanbp.plan.Setup, got {type(setup).__name__}")
         _check_free_grads(self.free_grads, setup)
         other = copy.copy(self)  # (the caches are the same dicts: what either planner runs, both know)
-        other.setup, other._rank, other._fits = setup, None, {}  # (the allocator's replays hold the rank's bytes)
+        other.setup, other._rank, other._fits, other._traces = setup, None, {}, {}  # (replays hold the rank's bytes)
         if setup.sp != self.setup.sp:  # (another step: its own fake steps, the fake models shared)
             other._lines, other._probes, other._steps, other._work = {}, {}, {}, {}
         return other
@@ -512,20 +515,33 @@ class Planner:
         """The step at T through the caching allocator's model: a fake step at the model's full
         depth (the allocator's state does not extend along a depth line) records its allocations,
         which ``replay_steps`` steps replay after the rank's resident bytes."""
+        key = (method, T, optimizer, self.replay_steps)
+        if key not in self._fits:
+            replayed = self._replayed(method, T, optimizer)
+            unlimited = replayed(None)
+            self._fits[key] = AllocatorFit(T, unlimited.peak_allocated, needed_capacity(*replayed.args),
+                                           unlimited.peak_reserved)
+        return self._fits[key]
+
+    def fits(self, method: str, T: int, capacity: int, optimizer: bool = False) -> bool:
+        """Whether the steps at T run in ``capacity`` bytes through the allocator's model (a replay at
+        that capacity)."""
+        return self._replayed(method, T, optimizer)(capacity).fits
+
+    def _replayed(self, method: str, T: int, optimizer: bool):
+        """The replay of the step at T at any capacity (its trace recorded once)."""
         if _chunked(method):
             raise ValueError(f"{method} streams its layers: a fake step at full depth is too slow to replay at the "
                              "lengths it reaches (plan it with the reserve's fragmentation share)")
-        key = (method, T, optimizer)
-        if key not in self._fits:
+        key = (method, T, optimizer, self.replay_steps)
+        if key not in self._traces:
             trace: list = []
             self._step_at_depth(method, T, self.layers, trace)
             resident, state, update = self._rank_blocks(optimizer)
-            steps = self.replay_steps
-            unlimited = replay(trace, resident, None, steps, state, update)
-            self._fits[key] = AllocatorFit(T, unlimited.peak_allocated,
-                                           needed_capacity(trace, resident, steps, state, update),
-                                           unlimited.peak_reserved)
-        return self._fits[key]
+            args = (trace, resident, self.replay_steps, state, update)
+            self._traces.clear()  # (one trace kept: a long step's is tens of thousands of events)
+            self._traces[key] = _Replayer(args)
+        return self._traces[key]
 
     def _rank_blocks(self, optimizer: bool) -> tuple[list, list, int]:
         """(resident blocks, the optimizer's lazily made state, its step's temporary bytes) of one
@@ -557,16 +573,15 @@ class Planner:
         for _ in range(6):
             if T <= 0 or T in fits:
                 break
-            fit = self.allocator(method, T, optimizer)
-            fits[T] = fit.needed <= capacity
+            fits[T] = self.fits(method, T, capacity, optimizer)
             if fits[T] and T == upper:  # (no longer T fits even the tensors)
                 break
-            T = lines.longest(capacity - fit.fragmentation) // multiple * multiple
+            T = lines.longest(capacity - self.allocator(method, T, optimizer).fragmentation) // multiple * multiple
         lo = max((t for t, ok in fits.items() if ok), default=0)
         hi = min((t for t, ok in fits.items() if not ok and t > lo), default=None)
         while hi is not None and hi - lo > multiple:
             mid = (lo + hi) // 2 // multiple * multiple
-            if self.allocator(method, mid, optimizer).needed <= capacity:
+            if self.fits(method, mid, capacity, optimizer):
                 lo = mid
             else:
                 hi = mid
@@ -592,6 +607,17 @@ class Planner:
             else:
                 hi = mid
         return lo
+
+
+class _Replayer:
+    """A step's trace and the rank's blocks: called with a capacity (None: no limit), the replay."""
+
+    def __init__(self, args: tuple):
+        self.args = args  # (trace, resident, steps, state, update)
+
+    def __call__(self, capacity: int | None):
+        trace, resident, steps, state, update = self.args
+        return replay(trace, resident, capacity, steps, state, update)
 
 
 def _chunked(method: str) -> bool:

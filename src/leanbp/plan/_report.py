@@ -225,7 +225,7 @@ def format_plan(result: dict) -> str:
     for p in result["peaks"]:
         found = by[(p["mode"], p["method"])]
         # (a replayed method fits up to its longest T: the allocator's model, not the tensors, decides)
-        device = p["seq_len"] <= found["max_seq_len"] if found.get("replayed") else \
+        device = p["seq_len"] <= found["device_seq_len"] if found.get("replayed") else \
             p["total"] <= found.get("budget", budget)
         fits = device and p["host"] <= host_budget
         lines.append(
