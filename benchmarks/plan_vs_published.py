@@ -161,7 +161,8 @@ def plan_row(row: Row, stream: StreamConfig) -> list[dict]:
     memory = gpu.memory
     reserve = CudaReserve()
     budget = memory - reserve.total(memory)
-    capacity = memory - reserve.context - reserve.workspaces  # (the allocator's, with the replay in place of a share)
+    outside = reserve.context + reserve.workspaces  # (not the allocator's: the context and the workspaces)
+    capacity = memory - outside  # (the allocator's, with the replay in place of a share)
     planner = Planner(load_config(row.model), dtype="bf16", stream=stream, hold_outputs=row.hold_outputs,
                       free_grads=row.free_grads, lora_rank=row.lora, setup=setup)
     optimizer = row.mode == "step"
@@ -188,8 +189,7 @@ def plan_row(row: Row, stream: StreamConfig) -> list[dict]:
                            f"{(peak.total + memory - budget) / GiB:.1f} GiB with the default reserve (context, "
                            f"workspaces, {reserve.fragmentation:.0%} fragmentation); the allocator's model reserves "
                            f"{fit.reserved / GiB:.1f} GiB over two steps, + context and workspaces "
-                           f"{(reserve.context + reserve.workspaces) / GiB:.2f} GiB = "
-                           f"{(fit.reserved + reserve.context + reserve.workspaces) / GiB:.1f} GiB, vs "
+                           f"{outside / GiB:.2f} GiB = {(fit.reserved + outside) / GiB:.1f} GiB, vs "
                            f"{bytes_ / GiB:.2f} GiB published")
         if row.oom_at:  # (a published out-of-memory: the plan agrees when its longest T is shorter)
             peak = planner.peak(method, row.oom_at, optimizer)

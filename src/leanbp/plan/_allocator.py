@@ -208,13 +208,15 @@ def replay(trace: Trace, resident=(), capacity: int | None = None, steps: int = 
     return Replay(allocator.peak_allocated, allocator.peak_reserved)
 
 
-def needed_capacity(trace: Trace, resident=(), steps: int = 2, state=(), update: int = 0) -> int:
+def needed_capacity(trace: Trace, resident=(), steps: int = 2, state=(), update: int = 0,
+                    unlimited: Replay | None = None) -> int:
     """The device memory (a multiple of 2 MiB) with which ``replay`` runs without running out, found
     by bisection between the allocated peak (too little) and what the allocator reserves when
     nothing limits it (enough). The least such memory when fitting is monotone in the memory; the
     allocator is not quite (more memory can keep a segment that a tighter run gave back, and then
-    split it), so a decision for one memory replays at that memory (``replay(...).fits``)."""
-    unlimited = replay(trace, resident, None, steps, state, update)
+    split it), so a decision for one memory replays at that memory (``replay(...).fits``).
+    ``unlimited``: this replay without a capacity, when the caller has it already."""
+    unlimited = unlimited or replay(trace, resident, None, steps, state, update)
     hi = -(-unlimited.peak_reserved // ROUND_LARGE) * ROUND_LARGE
     lo = -(-unlimited.peak_allocated // ROUND_LARGE) * ROUND_LARGE - ROUND_LARGE
     while hi - lo > ROUND_LARGE:

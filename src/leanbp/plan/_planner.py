@@ -40,6 +40,7 @@ The attention kernels are the CPU ones (SDPA's flash kernel for transformers, le
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from contextlib import contextmanager
 from dataclasses import InitVar, dataclass, field, replace
@@ -241,7 +242,7 @@ class Planner:
     _trainable: int | None = field(default=None, repr=False)
     _rank: RankBytes | None = field(default=None, repr=False)
     _fits: dict = field(default_factory=dict, repr=False)  # (method, T, optimizer, steps) -> AllocatorFit
-    _traces: dict = field(default_factory=dict, repr=False)  # the same key -> its _Replayer (the last one)
+    _traces: dict = field(default_factory=dict, repr=False)  # the same key -> its replay at any capacity (the last one)
     _mode: object = field(default=None, repr=False)
     # deprecated: the chunk sizes before ``stream`` carried them
     chunk_size: InitVar[int | None] = None
@@ -519,8 +520,8 @@ class Planner:
         if key not in self._fits:
             replayed = self._replayed(method, T, optimizer)
             unlimited = replayed(None)
-            self._fits[key] = AllocatorFit(T, unlimited.peak_allocated, needed_capacity(*replayed.args),
-                                           unlimited.peak_reserved)
+            needed = needed_capacity(*replayed.args, **replayed.keywords, unlimited=unlimited)
+            self._fits[key] = AllocatorFit(T, unlimited.peak_allocated, needed, unlimited.peak_reserved)
         return self._fits[key]
 
     def fits(self, method: str, T: int, capacity: int, optimizer: bool = False) -> bool:
@@ -538,9 +539,10 @@ class Planner:
             trace: list = []
             self._step_at_depth(method, T, self.layers, trace)
             resident, state, update = self._rank_blocks(optimizer)
-            args = (trace, resident, self.replay_steps, state, update)
             self._traces.clear()  # (one trace kept: a long step's is tens of thousands of events)
-            self._traces[key] = _Replayer(args)
+            # (called with a capacity, None for no limit: the replay)
+            self._traces[key] = functools.partial(replay, trace, resident, steps=self.replay_steps, state=state,
+                                                  update=update)
         return self._traces[key]
 
     def _rank_blocks(self, optimizer: bool) -> tuple[list, list, int]:
@@ -607,17 +609,6 @@ class Planner:
             else:
                 hi = mid
         return lo
-
-
-class _Replayer:
-    """A step's trace and the rank's blocks: called with a capacity (None: no limit), the replay."""
-
-    def __init__(self, args: tuple):
-        self.args = args  # (trace, resident, steps, state, update)
-
-    def __call__(self, capacity: int | None):
-        trace, resident, steps, state, update = self.args
-        return replay(trace, resident, capacity, steps, state, update)
 
 
 def _chunked(method: str) -> bool:

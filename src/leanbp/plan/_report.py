@@ -121,15 +121,15 @@ class PlanRequest:
     def budget(self) -> int:
         return self.memory - self.reserve
 
+    def replayed(self, method: str) -> bool:
+        return self.allocator == "replay" and not METHODS[method].streamed
+
     def budget_of(self, method: str) -> int:
         """The device budget ``method``'s longest T is planned against: with ``allocator="replay"`` a
         streamed method, which is not replayed, keeps the default fragmentation share."""
-        if self.allocator == "replay" and METHODS[method].streamed:
+        if self.allocator == "replay" and not self.replayed(method):
             return self.budget - int(CudaReserve().fragmentation * self.memory)
         return self.budget
-
-    def replayed(self, method: str) -> bool:
-        return self.allocator == "replay" and not METHODS[method].streamed
 
 
 def run_plan(request: PlanRequest, config, progress: bool = True) -> dict:
