@@ -180,12 +180,14 @@ def _add_plan(sub):
                    help="memory held back for what the plan does not model: CUDA context, kernel workspaces, "
                         f"allocator fragmentation (default auto: {reserve.context / GiB:g} GiB + "
                         f"{reserve.workspaces / 2**20:g} MiB + {100 * reserve.fragmentation:g}%% of --memory, the "
-                        "share left out with --allocator replay; the report says why)")
+                        "share left out where --allocator replays; the report says why)")
     p.add_argument("--allocator", choices=ALLOCATORS, default=_default(PlanRequest, "allocator"),
-                   help="share (default): the reserve holds back a share of --memory for the CUDA caching allocator; "
-                        "replay: plain autograd's and checkpointing's steps are played (two steps) through a model of "
-                        "the allocator, which finds what it needs beyond the tensors (a fake step at full depth per "
-                        "try; the streamed methods keep the share)")
+                   help="share: the reserve holds back a share of --memory for the CUDA caching allocator; replay: "
+                        "plain autograd's and checkpointing's steps are played (two steps) through a model of the "
+                        "allocator, which finds what it needs beyond the tensors (a fake step at full depth per try; "
+                        "the streamed methods keep the share); auto (default): replay where the device holds no "
+                        "optimizer state made at the first step (backprop, ZeRO, --optimizer host), where the model "
+                        "matched published runs, else share")
     p.add_argument("--dtype", choices=PLAN_DTYPES, default=_default(PlanRequest, "dtype"),
                    help="parameters and gradients")
     p.add_argument("--batch", type=int, default=_default(PlanRequest, "batch"), help="sequences per step and rank")

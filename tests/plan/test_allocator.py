@@ -144,27 +144,55 @@ def test_the_longest_T_under_the_allocator_is_the_longest_whose_replay_fits(bf16
         planner.allocator("leanbp", 4096)
 
 
-def test_leanbp_plan_allocator_replay_plans_checkpointing_through_the_model(tmp_path, capsys):
-    """--allocator replay: no fragmentation share in the default reserve, checkpointing's longest T
-    from the replay (marked †, and no row beyond it said to fit), a streamed method keeps the share."""
+def test_auto_replays_where_the_device_holds_no_optimizer_state_made_at_the_first_step():
+    """--allocator auto (the default) replays plain autograd and checkpointing for backprop, and for a
+    step whose optimizer state is made before the first step (ZeRO) or lives on the host; a step of a
+    torch optimizer on the device, and a streamed method, keep the fragmentation share. share never
+    replays, replay always (but a streamed method)."""
+    from leanbp.plan import CudaReserve, PlanRequest, Setup
+
+    memory = 80 * 2**30
+    share = int(CudaReserve().fragmentation * memory)
+    auto = PlanRequest(memory=memory)
+    assert auto.allocator == "auto" and auto.reserve == CudaReserve().context + CudaReserve().workspaces
+    assert auto.replayed("plain", "backprop") and auto.replayed("ckpt", "backprop")
+    assert not auto.replayed("ckpt", "step") and not auto.replayed("leanbp", "backprop")
+    assert auto.budget_of("ckpt", "backprop") == auto.budget
+    assert auto.budget_of("ckpt", "step") == auto.budget_of("leanbp", "backprop") == auto.budget - share
+    for setup in (Setup(optimizer="host"), Setup(gpus=2, engine="zero2"),
+                  Setup(gpus=2, engine="zero3", optimizer="adamw-8bit")):
+        assert PlanRequest(memory=memory, setup=setup).replayed("ckpt", "step"), setup
+    for setup in (Setup(optimizer="adamw-bf16"), Setup(gpus=2, engine="fsdp2"),
+                  Setup(gpus=2, engine="ddp", optimizer="adamw-8bit")):
+        assert not PlanRequest(memory=memory, setup=setup).replayed("ckpt", "step"), setup
+    assert not PlanRequest(memory=memory, allocator="share").replayed("ckpt", "backprop")
+    assert PlanRequest(memory=memory, allocator="share").reserve == CudaReserve().total(memory)
+    replayed = PlanRequest(memory=memory, allocator="replay")
+    assert replayed.replayed("ckpt", "step") and not replayed.replayed("leanbp", "step")
+    with pytest.raises(ValueError, match="allocator must be one of"):
+        PlanRequest(allocator="expandable")
+
+
+def test_leanbp_plan_replays_checkpointing_through_the_model_by_default(tmp_path, capsys):
+    """The default plan (--allocator auto): checkpointing's backprop longest T from the replay
+    (marked †, and no row beyond it said to fit), its step with AdamW on the device and a streamed
+    method from the tensors within the budget less the fragmentation share."""
     import json
 
     from leanbp.cli import main
-    from leanbp.plan import CudaReserve, PlanRequest
 
-    assert PlanRequest(memory=80 * 2**30, allocator="replay").reserve == CudaReserve().context + CudaReserve().workspaces
-    with pytest.raises(ValueError, match="allocator must be one of"):
-        PlanRequest(allocator="expandable")
     cfg = tmp_path / "config.json"
     plan_config(layers=2).to_json_file(str(cfg))
     assert main(["plan", "--model", str(cfg), "--memory", "2GiB", "--reserve", "0", "--methods", "ckpt,leanbp",
-                 "--mode", "backprop", "--allocator", "replay", "--seq-lens", "131072,262144",
-                 "--out", str(tmp_path / "plan")]) == 0
+                 "--seq-lens", "131072,262144", "--out", str(tmp_path / "plan")]) == 0
     printed = capsys.readouterr().out
     result = json.loads((tmp_path / "plan" / "plan.json").read_text())
-    ckpt, streamed = result["longest"]
-    assert ckpt["replayed"] and not streamed["replayed"]
+    by = {(r["method"], r["mode"]): r for r in result["longest"]}
+    ckpt, streamed = by["ckpt", "backprop"], by["leanbp", "backprop"]
+    assert ckpt["replayed"] and not streamed["replayed"] and not by["ckpt", "step"]["replayed"]
     assert ckpt["budget"] == 2 * 2**30 and streamed["budget"] == 2 * 2**30 - int(0.05 * 2 * 2**30)
+    assert by["ckpt", "step"]["budget"] == streamed["budget"]
+    assert "in place of a fragmentation share where the device holds no optimizer state made at the first" in printed
     assert f"| {ckpt['max_seq_len']:,} † |" in printed and "† two steps played through" in printed
     assert 131072 < ckpt["max_seq_len"] < 262144
     assert "| backprop | transformers checkpointing | 262,144* |" in printed

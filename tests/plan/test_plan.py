@@ -170,9 +170,10 @@ def test_cli_plan_writes_table_csv_json_and_plot(tmp_path, capsys):
     cfg = tmp_path / "config.json"
     _config().to_json_file(str(cfg))
     out = tmp_path / "plan"
+    # (--allocator share: both modes held to one budget; in 64 MiB a replay's 20 MiB segments decide)
     code = main(["plan", "--model", str(cfg), "--memory", "64MiB", "--reserve", "0", "--dtype", "bf16", "--seq-lens", "1024,8192",
                  "--methods", "ckpt,leanbp_offload", "--chunk-size", "512", "--head-chunk-size", "1024",
-                 "--out", str(out)])
+                 "--allocator", "share", "--out", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
     assert "transformers checkpointing" in printed and "leanbp + offload" in printed
@@ -204,18 +205,19 @@ def test_a_fake_step_with_mask_and_position_ids_takes_no_decision_from_values():
 
 
 def test_the_default_reserve_is_stated_and_left_free_in_every_row(tmp_path, capsys):
-    """Without --reserve the plan holds back the CUDA context, cuBLAS workspaces and 5% for the
-    allocator's fragmentation (80 GiB: 1 + 0.0625 + 4 GiB), says so in the report, and no row it
-    calls fitting eats into it; a toy budget smaller than that reserve is a clear error."""
+    """Without --reserve a plan that holds back a share for the allocator (--allocator share) holds
+    back the CUDA context, cuBLAS workspaces and 5% for the allocator's fragmentation (80 GiB: 1 +
+    0.0625 + 4 GiB), says so in the report, and no row it calls fitting eats into it; a toy budget
+    smaller than that reserve is a clear error."""
     from leanbp.plan import CudaReserve, PlanRequest
 
-    assert PlanRequest(memory=80 * 2**30).reserve == 2**30 + 64 * 2**20 + int(0.05 * 80 * 2**30)
+    assert PlanRequest(memory=80 * 2**30, allocator="share").reserve == 2**30 + 64 * 2**20 + int(0.05 * 80 * 2**30)
     cfg = tmp_path / "config.json"
     _config(layers=2).to_json_file(str(cfg))
     memory = 2 * 2**30
     reserve = CudaReserve().total(memory)
     assert main(["plan", "--model", str(cfg), "--memory", "2GiB", "--methods", "ckpt", "--mode", "backprop",
-                 "--seq-lens", "65536,131072", "--out", str(tmp_path / "plan")]) == 0
+                 "--allocator", "share", "--seq-lens", "65536,131072", "--out", str(tmp_path / "plan")]) == 0
     printed = capsys.readouterr().out
     assert f"reserve {reserve / 2**30:.1f} GiB (default: CUDA context 1.00 + cuBLAS workspaces 0.06" in printed
     result = json.loads((tmp_path / "plan" / "plan.json").read_text())

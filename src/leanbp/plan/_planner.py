@@ -554,7 +554,7 @@ class Planner:
             resident.append(rank.grads)
         if not optimizer or not rank.optimizer:
             return resident, [], rank.step if optimizer else 0
-        if self.setup.engine in ("zero2", "zero3"):  # (ZeRO makes its flat partitions when it starts)
+        if not self.setup.device_state_made_at_first_step:  # (ZeRO makes its flat partitions when it starts)
             return resident + [rank.optimizer], [], rank.step
         # a torch optimizer makes two moments per parameter at its first step
         sizes = [t.numel for t in parameter_tensors(self._model(self.layers)) if t.trainable]

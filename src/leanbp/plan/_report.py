@@ -34,8 +34,9 @@ class CudaReserve:
       share of the device memory: 5%, an assumption. It depends on how allocation sizes change over
       a run (from tens of MiB to 16 of 93 reserved GiB in meta-pytorch/torchrec PR 4584); a streamed
       step repeats the same chunk sizes, and ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
-      keeps it small. ``benchmarks/cuda_check.py`` measures it when a GPU is lent. With
-      ``--allocator replay`` the allocator's model (``_allocator.py``) stands for it instead.
+      keeps it small. ``benchmarks/cuda_check.py`` measures it when a GPU is lent. Where the plan
+      replays a step (``PlanRequest.replayed``) the allocator's model (``_allocator.py``) stands
+      for it instead.
     """
 
     context: int = GiB
@@ -54,7 +55,7 @@ class CudaReserve:
 
 
 # how the plan accounts for the CUDA caching allocator (``PlanRequest.allocator``, ``--allocator``)
-ALLOCATORS = ("share", "replay")
+ALLOCATORS = ("auto", "share", "replay")
 
 
 @dataclass
@@ -76,8 +77,9 @@ class PlanRequest:
     setup: Setup = field(default_factory=Setup)  # GPUs, engine, optimizer, host memory, GPU model, efficiency
     # "share": the reserve holds back a share of the memory for the caching allocator's fragmentation;
     # "replay": plain autograd's and checkpointing's steps are played through the allocator's model
-    # instead (``Planner.longest_allocated``), the streamed methods keep the share
-    allocator: str = "share"
+    # instead (``Planner.longest_allocated``), the streamed methods keep the share; "auto": replay
+    # where the model matched published runs, the share elsewhere (``replayed``)
+    allocator: str = "auto"
     reserve_note: str = "given"  # where the reserve comes from (filled in for the default)
 
     def __post_init__(self):
@@ -103,17 +105,23 @@ class PlanRequest:
             self.memory = GPUS[self.setup.gpu].memory
         if self.reserve is None:
             default = CudaReserve()
-            if self.allocator == "replay":  # (the model stands for the fragmentation share)
+            if self.allocator != "share":  # (the model stands for the fragmentation share where it replays)
                 default = replace(default, fragmentation=0.0)
             self.reserve, parts = default.total(self.memory), default.describe(self.memory)
             self.reserve_note = f"default: {parts}; --reserve to change"
             if self.reserve >= self.memory:
                 raise ValueError(f"the default reserve ({parts}) is more than the memory ({self.memory / GiB:.2f} GiB): "
                                  "pass --reserve (e.g. 0 for a toy budget)")
+        share = f"{CudaReserve().fragmentation:.0%}"
         if self.allocator == "replay":
             self.reserve_note += ("; plain autograd and checkpointing are played through the CUDA caching "
                                   "allocator's model (two steps) in place of a fragmentation share, the streamed "
-                                  f"methods keep {CudaReserve().fragmentation:.0%} of the memory for it")
+                                  f"methods keep {share} of the memory for it")
+        elif self.allocator == "auto":
+            self.reserve_note += ("; plain autograd and checkpointing are played through the CUDA caching "
+                                  "allocator's model (two steps) in place of a fragmentation share where the device "
+                                  "holds no optimizer state made at the first step (backprop, ZeRO, the host "
+                                  f"optimizer), the other plans keep {share} of the memory for it (--allocator)")
         if self.reserve >= self.memory:
             raise ValueError("the reserve must be smaller than the memory")
 
@@ -121,13 +129,24 @@ class PlanRequest:
     def budget(self) -> int:
         return self.memory - self.reserve
 
-    def replayed(self, method: str) -> bool:
-        return self.allocator == "replay" and not METHODS[method].streamed
+    def replayed(self, method: str, mode: str) -> bool:
+        """Whether ``method``'s longest T in ``mode`` comes from replaying its steps through the caching
+        allocator's model (else its tensors fit a budget that holds back a share for the allocator).
+        Never for a streamed method: a fake step at full depth is too slow at the lengths it reaches.
+        ``auto`` replays where the model was checked against published runs: backprop only, and steps
+        whose optimizer state is on the device from the start (ZeRO) or on the host (ALST's recipes,
+        within 2%). Where a torch optimizer makes its moments on the device at the first step the
+        model puts them into the first step's cached segments and plans 38% short of the StreamBP
+        paper's full fine-tuning run, so ``auto`` keeps the share there (docs/planner.md)."""
+        if self.allocator == "share" or METHODS[method].streamed:
+            return False
+        return self.allocator == "replay" or not (mode == "step" and self.setup.device_state_made_at_first_step)
 
-    def budget_of(self, method: str) -> int:
-        """The device budget ``method``'s longest T is planned against: with ``allocator="replay"`` a
-        streamed method, which is not replayed, keeps the default fragmentation share."""
-        if self.allocator == "replay" and not self.replayed(method):
+    def budget_of(self, method: str, mode: str) -> int:
+        """The device budget ``method``'s longest T in ``mode`` is planned against: where the default
+        reserve left the fragmentation share to the replay and ``method`` is not replayed, it keeps
+        the share."""
+        if self.allocator != "share" and not self.replayed(method, mode):
             return self.budget - int(CudaReserve().fragmentation * self.memory)
         return self.budget
 
@@ -151,15 +170,16 @@ def run_plan(request: PlanRequest, config, progress: bool = True) -> dict:
                 peak = planner.peak(method, T, optimizer)
                 peaks.append(dict(mode=mode, **_flat(peak), total=peak.total))
             bar.set_postfix_str(f"{method}: longest T ({mode})")
-            if request.replayed(method):
+            replayed = request.replayed(method, mode)
+            if replayed:
                 found = planner.longest_allocated(method, request.budget, optimizer)
             else:
-                found = planner.longest(method, request.budget_of(method), optimizer)
+                found = planner.longest(method, request.budget_of(method, mode), optimizer)
             at = planner.time(method, found.seq_len, optimizer) if found.seq_len else None
             longest.append(dict(mode=mode, method=method, max_seq_len=found.seq_len, checked=found.checked,
                                 bound=found.bound, device_seq_len=found.device_seq_len,
-                                host_seq_len=found.host_seq_len, budget=request.budget_of(method),
-                                replayed=request.replayed(method), step_s=at.total if at else None,
+                                host_seq_len=found.host_seq_len, budget=request.budget_of(method, mode),
+                                replayed=replayed, step_s=at.total if at else None,
                                 tokens_per_s=at.tokens_per_s if at else None))
         bar.update()
     bar.close()
@@ -253,8 +273,8 @@ def format_plan(result: dict) -> str:
                 "needs more than the tensors: segments stay cached, or split when a larger request comes)")
         shared = [r for r in result["longest"] if not r.get("replayed")]
         if shared:
-            note += (f"; the streamed methods' tensors fit {_gib(shared[0]['budget'])} GiB, a share of the memory held "
-                     "back for the allocator")
+            note += (f"; the others' tensors fit {_gib(shared[0]['budget'])} GiB, a share of the memory held back for "
+                     "the allocator")
         lines += ["", note]
     return "\n".join(lines)
 

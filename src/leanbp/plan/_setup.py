@@ -159,6 +159,14 @@ class Setup:
     def world(self) -> int:
         return self.gpus
 
+    @property
+    def device_state_made_at_first_step(self) -> bool:
+        """Whether a step's optimizer makes its state on the device at its first step, into whatever
+        that step's allocations left cached: a torch optimizer (AdamW, bitsandbytes' AdamW8bit) on
+        one GPU, under DDP or FSDP2. ZeRO makes its flat partitions when the engine starts; the host
+        optimizer keeps its state on the host."""
+        return self.optimizer != "host" and self.engine not in ("zero2", "zero3")
+
     def describe(self) -> str:
         gpu = GPUS[self.gpu]
         params = " with the weights offloaded to the host" if self.offload_params else ""
