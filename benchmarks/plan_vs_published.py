@@ -194,7 +194,7 @@ def plan_row(row: Row, stream: StreamConfig) -> list[dict]:
             peak = planner.peak(method, T, optimizer)
             fit = planner.allocator(method, T, optimizer)
             memory_note = (f"at {T:,} tokens: {peak.total / GiB:.1f} GiB of tensors planned, "
-                           f"{(peak.total + memory - budget) / GiB:.1f} GiB with the default reserve (context, "
+                           f"{(peak.total + memory - budget) / GiB:.1f} GiB with the share's reserve (context, "
                            f"workspaces, {reserve.fragmentation:.0%} fragmentation); the allocator's model reserves "
                            f"{fit.reserved / GiB:.1f} GiB over two steps, + context and workspaces "
                            f"{outside / GiB:.2f} GiB = {(fit.reserved + outside) / GiB:.1f} GiB, vs "
@@ -257,9 +257,9 @@ def within_bar(r: dict) -> bool | None:
 
 def markdown(rows: list[dict], time_row: dict, command: str) -> str:
     lines = [f"`{command}` ({date.today().isoformat()}; plans on this CPU; share: the tensors within the GPU's "
-             "memory less the default reserve with its 5% for the allocator; replay: two steps through the "
-             "allocator's model in the memory less the context and the workspaces; default: what `leanbp plan` "
-             "does, `--allocator auto`):", "",
+             "memory less `--allocator share`'s reserve (context, workspaces, 5% for the allocator); replay: two "
+             "steps through the allocator's model in the memory less the context and the workspaces; default: what "
+             "`leanbp plan` does, `--allocator auto`):", "",
              "| source | published set-up | method | published T | planned T, share | difference | planned T, "
              "replay | difference | default (auto) | difference | planner options and assumptions |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

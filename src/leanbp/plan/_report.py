@@ -112,16 +112,14 @@ class PlanRequest:
             if self.reserve >= self.memory:
                 raise ValueError(f"the default reserve ({parts}) is more than the memory ({self.memory / GiB:.2f} GiB): "
                                  "pass --reserve (e.g. 0 for a toy budget)")
-        share = f"{CudaReserve().fragmentation:.0%}"
+        played = ("; plain autograd and checkpointing are played through the CUDA caching allocator's model (two "
+                  "steps) in place of a fragmentation share")
+        share = f"{CudaReserve().fragmentation:.0%} of the memory for it"
         if self.allocator == "replay":
-            self.reserve_note += ("; plain autograd and checkpointing are played through the CUDA caching "
-                                  "allocator's model (two steps) in place of a fragmentation share, the streamed "
-                                  f"methods keep {share} of the memory for it")
+            self.reserve_note += f"{played}, the streamed methods keep {share}"
         elif self.allocator == "auto":
-            self.reserve_note += ("; plain autograd and checkpointing are played through the CUDA caching "
-                                  "allocator's model (two steps) in place of a fragmentation share where the device "
-                                  "holds no optimizer state made at the first step (backprop, ZeRO, the host "
-                                  f"optimizer), the other plans keep {share} of the memory for it (--allocator)")
+            self.reserve_note += (f"{played} where the device holds no optimizer state made at the first step "
+                                  f"(backprop, ZeRO, the host optimizer), the other plans keep {share} (--allocator)")
         if self.reserve >= self.memory:
             raise ValueError("the reserve must be smaller than the memory")
 
