@@ -208,6 +208,8 @@ def _add_plan(sub):
     p.add_argument("--lora", type=int, metavar="R",
                    help="train LoRA adapters of rank R on every linear layer but the head, the base frozen "
                         "(default: full fine-tuning)")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="processes that plan the methods side by side (default: one per CPU)")
     p.add_argument("--out", default="plan_out", help="folder for plan.md / plan.csv / plan.json / plan.png")
 
 
@@ -228,7 +230,7 @@ def _plan(args) -> int:
                           modes=["backprop", "step"] if args.mode == "both" else [args.mode],
                           stream=_stream_config(args, "plan"), hold_outputs=not args.free_outputs,
                           free_grads=args.free_grads, lora_rank=args.lora, setup=setup, allocator=args.allocator)
-    result = run_plan(request, load_config(args.model))
+    result = run_plan(request, load_config(args.model), workers=args.workers)
     print(format_plan(result))
     print(f"\nwritten to {write_plan(result, args.out)}/ (plan.md, plan.csv, plan.json, plan.png)")
     return 0

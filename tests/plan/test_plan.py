@@ -189,6 +189,65 @@ def test_cli_plan_writes_table_csv_json_and_plot(tmp_path, capsys):
     assert main(["plan", "--model", str(cfg), "--memory", "1GiB", "--reserve", "2GiB", "--out", str(out)]) == 2
 
 
+def test_methods_planned_side_by_side_in_processes_give_the_plan_of_one_process():
+    """run_plan's pool (one process per method) returns, row for row, what one process plans."""
+    from leanbp.plan import PlanRequest, run_plan
+
+    request = PlanRequest(model="tiny", memory=64 * 2**20, reserve=0, seq_lens=[1024, 4096], methods=["plain", "ckpt"],
+                          allocator="share")
+    alone, side_by_side = (run_plan(request, _config(), progress=False, workers=n) for n in (1, 2))
+    assert len(alone["peaks"]) == 8 and len(alone["longest"]) == 4
+    assert side_by_side["longest"] == alone["longest"] and side_by_side["peaks"] == alone["peaks"]
+
+
+def test_switching_from_checkpointing_takes_back_only_its_own_input_grads_hook():
+    """transformers' checkpointing makes a frozen embedding's output require grad by a hook that its
+    disable keeps; apply_method takes it back when the next method does not checkpoint (else a LoRA
+    model measured or planned after checkpointing keeps a hidden state per layer it would not keep),
+    and leaves a hook that was there before (the user's own) alone."""
+    import peft
+
+    from leanbp.streaming import apply_method
+
+    def lora_model():
+        model = transformers.AutoModelForCausalLM.from_config(_config(layers=2)).train()
+        return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear"))
+
+    ids = torch.randint(0, 512, (1, 64))
+    fresh = apply_method(lora_model(), "plain")
+    assert getattr(fresh, "_require_grads_hook", None) is None
+    assert not fresh.get_input_embeddings()(ids).requires_grad
+    switched = apply_method(apply_method(lora_model(), "ckpt"), "leanbp", StreamConfig(chunk_size=32))
+    assert getattr(switched, "_require_grads_hook", None) is None
+    assert not switched.get_input_embeddings()(ids).requires_grad
+    own = lora_model()
+    own.enable_input_require_grads()
+    apply_method(apply_method(own, "ckpt"), "plain")
+    assert own.get_input_embeddings()(ids).requires_grad
+
+
+def test_a_pool_process_ends_when_the_plans_process_is_gone():
+    """A process of run_plan's pool watches the plan's process: killed (it cannot end its pool), the
+    pool's processes end within a second or two instead of planning on for nobody."""
+    import subprocess
+    import sys
+
+    plan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    worker = subprocess.Popen([sys.executable, "-c", "import time; from leanbp.plan._report import _end_with; "
+                               f"_end_with({plan.pid}); time.sleep(120)"])
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):  # (alive while the plan's process is)
+            worker.wait(timeout=2)
+        plan.kill()
+        plan.wait()
+        assert worker.wait(timeout=30) == 1
+    finally:
+        plan.kill()
+        worker.kill()
+    with pytest.raises(ValueError, match="workers must be"):
+        leanbp.plan.run_plan(leanbp.plan.PlanRequest(), _config(), workers=0)
+
+
 def test_a_fake_step_with_mask_and_position_ids_takes_no_decision_from_values():
     """Padding, packed documents and labelled rows are read from values in a real step; on fake
     tensors the engine takes the planner's assumptions instead of failing."""

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import csv
 import json
+import multiprocessing
+import os
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -149,42 +153,99 @@ class PlanRequest:
         return self.budget
 
 
-def run_plan(request: PlanRequest, config, progress: bool = True) -> dict:
+def run_plan(request: PlanRequest, config, progress: bool = True, workers: int | None = 1) -> dict:
     """Every (mode, method, T) peak of one rank with its step time, and every (mode, method)
-    longest T with the budget that stops it, as plain data."""
+    longest T with the budget that stops it, as plain data. ``workers``: processes that plan the
+    methods side by side (None: one per CPU this process may use; ``leanbp plan``'s default). A
+    method's plan needs nothing from another's, and its fake steps keep one core busy in Python's
+    dispatch, so two cores plan two methods in the time of the longer one. The processes start
+    from a fresh server and import the caller's main module, as ``multiprocessing`` does: a script
+    that asks for more than one calls ``run_plan`` under ``if __name__ == "__main__":``."""
     from tqdm import tqdm
 
-    planner = Planner(config, dtype=request.dtype, batch=request.batch, stream=request.stream,
-                      hold_outputs=request.hold_outputs, free_grads=request.free_grads, lora_rank=request.lora_rank,
-                      setup=request.setup)
+    if workers is not None and (not isinstance(workers, int) or workers < 1):
+        raise ValueError(f"workers must be a positive number of processes, got {workers!r}")
     started = time.perf_counter()
+    planner = _planner(request, config)
+    workers = min(len(request.methods), workers or _cpus())
     bar = tqdm(total=len(request.methods), desc="leanbp plan", unit="method", disable=not progress)
-    peaks, longest = [], []
-    for method in request.methods:
-        planner.lines(method, progress=lambda m, T: bar.set_postfix_str(f"{m}: fake step at T={T}"))
-        for mode in request.modes:
-            optimizer = mode == "step"
-            for T in request.seq_lens:
-                peak = planner.peak(method, T, optimizer)
-                peaks.append(dict(mode=mode, **_flat(peak), total=peak.total))
-            bar.set_postfix_str(f"{method}: longest T ({mode})")
-            replayed = request.replayed(method, mode)
-            if replayed:
-                found = planner.longest_allocated(method, request.budget, optimizer)
-            else:
-                found = planner.longest(method, request.budget_of(method, mode), optimizer)
-            at = planner.time(method, found.seq_len, optimizer) if found.seq_len else None
-            longest.append(dict(mode=mode, method=method, max_seq_len=found.seq_len, checked=found.checked,
-                                bound=found.bound, device_seq_len=found.device_seq_len,
-                                host_seq_len=found.host_seq_len, budget=request.budget_of(method, mode),
-                                replayed=replayed, step_s=at.total if at else None,
-                                tokens_per_s=at.tokens_per_s if at else None))
-        bar.update()
+    parts = []
+    if workers == 1:
+        for method in request.methods:
+            parts.append(_plan_method(request, planner, method, bar.set_postfix_str))
+            bar.update()
+    else:
+        bar.set_postfix_str(f"{workers} processes")
+        # (forkserver: each process forks from a fresh server, not from this one with its threads)
+        context = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
+                                              else "spawn")
+        with context.Pool(workers, initializer=_end_with, initargs=(os.getpid(),)) as pool:
+            for part in pool.imap(_plan_method_alone, [(request, config, method) for method in request.methods]):
+                parts.append(part)
+                bar.update()
     bar.close()
-    rank = planner.rank()
     return {"request": asdict(request), "budget": request.budget, "parameters": planner.trainable_params(),
             "setup": request.setup.describe(), "gpu": asdict(GPUS[request.setup.gpu]),
-            "rank": asdict(rank), "seconds": time.perf_counter() - started, "peaks": peaks, "longest": longest}
+            "rank": asdict(planner.rank()), "seconds": time.perf_counter() - started,
+            "peaks": [p for peaks, _ in parts for p in peaks], "longest": [r for _, longest in parts for r in longest]}
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _planner(request: PlanRequest, config) -> Planner:
+    return Planner(config, dtype=request.dtype, batch=request.batch, stream=request.stream,
+                   hold_outputs=request.hold_outputs, free_grads=request.free_grads, lora_rank=request.lora_rank,
+                   setup=request.setup)
+
+
+def _end_with(pid: int) -> None:
+    """A pool process's start: it leaves Ctrl-C to the plan's process (which ends the pool) and ends
+    itself within a second of that process being gone (killed, it cannot end the pool), so no
+    process plans on for a plan nobody reads."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def watch():
+        while True:
+            time.sleep(1)
+            try:
+                os.kill(pid, 0)
+            except (ProcessLookupError, PermissionError):  # (PermissionError: another user's process has the number)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="leanbp-plan-watch", daemon=True).start()
+
+
+def _plan_method_alone(args) -> tuple[list, list]:
+    """``_plan_method`` in a process of its own (a pool's)."""
+    request, config, method = args
+    return _plan_method(request, _planner(request, config), method, lambda status: None)
+
+
+def _plan_method(request: PlanRequest, planner: Planner, method: str, status) -> tuple[list, list]:
+    """(every (mode, T) peak, every mode's longest T) of one method; ``status`` is told what runs."""
+    peaks, longest = [], []
+    planner.lines(method, progress=lambda m, T: status(f"{m}: fake step at T={T}"))
+    for mode in request.modes:
+        optimizer = mode == "step"
+        for T in request.seq_lens:
+            peak = planner.peak(method, T, optimizer)
+            peaks.append(dict(mode=mode, **_flat(peak), total=peak.total))
+        status(f"{method}: longest T ({mode})")
+        replayed = request.replayed(method, mode)
+        if replayed:
+            found = planner.longest_allocated(method, request.budget, optimizer)
+        else:
+            found = planner.longest(method, request.budget_of(method, mode), optimizer)
+        at = planner.time(method, found.seq_len, optimizer) if found.seq_len else None
+        longest.append(dict(mode=mode, method=method, max_seq_len=found.seq_len, checked=found.checked,
+                            bound=found.bound, device_seq_len=found.device_seq_len,
+                            host_seq_len=found.host_seq_len, budget=request.budget_of(method, mode),
+                            replayed=replayed, step_s=at.total if at else None,
+                            tokens_per_s=at.tokens_per_s if at else None))
+    return peaks, longest
 
 
 def _flat(peak) -> dict:
@@ -304,7 +365,6 @@ def _plot(result: dict, path: Path) -> None:
     req = result["request"]
     modes = req["modes"]
     fig, axes = plt.subplots(2, len(modes), figsize=(6.2 * len(modes), 8.4), squeeze=False, sharex="col")
-    budget = result["budget"] / GiB
     longest = {(r["mode"], r["method"]): r["max_seq_len"] for r in result["longest"]}
     setup = req["setup"]
     where = f"{setup['gpus']} x {result['gpu']['label']}, {setup['engine']}, {setup['optimizer']}"
@@ -320,7 +380,13 @@ def _plot(result: dict, path: Path) -> None:
             if longest[(mode, method)]:
                 for ax in (memory_ax, time_ax):
                     ax.axvline(longest[(mode, method)], color=line.get_color(), linestyle=":", linewidth=1)
-        memory_ax.axhline(budget, color="black", linestyle="--", linewidth=1, label=f"budget {budget:.1f} GiB")
+        # (a replayed method's budget is the allocator's memory, which its replay, not its tensors, fits)
+        rows = [r for r in result["longest"] if r["mode"] == mode]
+        for style, value in zip(("--", "-."), sorted({r.get("budget", result["budget"]) for r in rows}, reverse=True)):
+            replayed = [METHODS[r["method"]].label for r in rows if r.get("replayed") and r["budget"] == value]
+            memory_ax.axhline(value / GiB, color="black", linestyle=style, linewidth=1,
+                              label=f"budget {value / GiB:.1f} GiB" + (f" (replayed: {', '.join(replayed)})"
+                                                                       if replayed else ""))
         memory_ax.set_ylabel("peak device memory per rank (GiB)")
         memory_ax.set_title(f"{req['model']}{', LoRA' if req['lora_rank'] else ''}, {req['dtype']}, batch "
                             f"{req['batch']}: {'backprop only' if mode == 'backprop' else 'full step'}\n{where}",

@@ -52,9 +52,20 @@ def apply_method(model: nn.Module, name: str, config: StreamConfig | None = None
     if is_streamed(model):
         unstream(model)
     if m.checkpointing:
+        # (transformers' enable also makes the embedding's output require grad, which only a PEFT
+        # model loaded by transformers takes back on disable: note that the hook came from here)
+        hooked = getattr(model, "_require_grads_hook", None) is not None
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if not hooked and getattr(model, "_require_grads_hook", None) is not None:
+            model._leanbp_took_input_grads = True
     elif getattr(model, "is_activation_checkpointing", False):
         model.activation_checkpointing_disable()
+    if getattr(model, "_leanbp_took_input_grads", False) and not m.checkpointing:
+        # with a frozen embedding (LoRA) that hook keeps a hidden state per layer input that the
+        # next method would not keep: gone with the checkpointing that made it
+        if getattr(model, "_require_grads_hook", None) is not None:
+            model.disable_input_require_grads()
+        model._leanbp_took_input_grads = False
     if m.streamed:
         stream(model, config, sequence_parallel=sequence_parallel, **m.overrides)
     return model
