@@ -4,6 +4,7 @@ method, with the budget line)."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import multiprocessing
@@ -169,24 +170,26 @@ def run_plan(request: PlanRequest, config, progress: bool = True, workers: int |
     planner = _planner(request, config)
     workers = min(len(request.methods), workers or _cpus())
     bar = tqdm(total=len(request.methods), desc="leanbp plan", unit="method", disable=not progress)
-    parts = []
-    if workers == 1:
-        for method in request.methods:
-            parts.append(_plan_method(request, planner, method, bar.set_postfix_str))
+    with contextlib.ExitStack() as stack:
+        if workers == 1:  # (lazily, each method as the loop below asks for it)
+            planned = (_plan_method(request, planner, method, bar.set_postfix_str) for method in request.methods)
+        else:
+            bar.set_postfix_str(f"{workers} processes")
+            # (forkserver: each process forks from a fresh server, not from this one with its threads)
+            context = multiprocessing.get_context(
+                "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn")
+            pool = stack.enter_context(context.Pool(workers, initializer=_end_with, initargs=(os.getpid(),)))
+            planned = pool.imap(_plan_method_alone, [(request, config, method) for method in request.methods])
+        # (the rank's bytes here, while a pool plans the methods; one process reuses its fake models)
+        rank, parameters = planner.rank(), planner.trainable_params()
+        parts = []
+        for part in planned:
+            parts.append(part)
             bar.update()
-    else:
-        bar.set_postfix_str(f"{workers} processes")
-        # (forkserver: each process forks from a fresh server, not from this one with its threads)
-        context = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods()
-                                              else "spawn")
-        with context.Pool(workers, initializer=_end_with, initargs=(os.getpid(),)) as pool:
-            for part in pool.imap(_plan_method_alone, [(request, config, method) for method in request.methods]):
-                parts.append(part)
-                bar.update()
     bar.close()
-    return {"request": asdict(request), "budget": request.budget, "parameters": planner.trainable_params(),
+    return {"request": asdict(request), "budget": request.budget, "parameters": parameters,
             "setup": request.setup.describe(), "gpu": asdict(GPUS[request.setup.gpu]),
-            "rank": asdict(planner.rank()), "seconds": time.perf_counter() - started,
+            "rank": asdict(rank), "seconds": time.perf_counter() - started,
             "peaks": [p for peaks, _ in parts for p in peaks], "longest": [r for _, longest in parts for r in longest]}
 
 
