@@ -27,7 +27,7 @@ from ._launcher import check_run, launch
 from ._loop import train
 from ._models import TRAIN_QWEN3, build_model, load_model, qwen3_config
 from ._outputs import plot_losses
-from ._ranks import first_to_report, launched_by_torchrun
+from ._ranks import first_to_report, launched_by_torchrun, several_processes
 from ._run_lock import RunFolderBusy, RunLock
 from ._zo import default_delta, privacy_summary
 
@@ -35,4 +35,4 @@ __all__ = ["CLASSIFY", "ENGINES", "NonFiniteError", "OBJECTIVES", "OPTIMIZERS", 
            "TRAIN_DTYPES", "TRAIN_QWEN3", "TokenData", "TrainConfig", "build_model", "builtin_records", "bundled_text",
            "byte_tokenizer", "check_run", "classify_records", "continuation_reward", "default_delta",
            "first_to_report", "launch", "launched_by_torchrun", "load_model", "load_tokenizer", "make_engine",
-           "plot_losses", "privacy_summary", "qwen3_config", "read_jsonl", "train", "verses"]
+           "plot_losses", "privacy_summary", "qwen3_config", "read_jsonl", "several_processes", "train", "verses"]
