@@ -87,3 +87,27 @@ def torchrun(script: Path, out: str, world: int) -> str:
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                            str(script), out], env=env, capture_output=True, text=True, timeout=900)
     return done.stdout[-4000:] + done.stderr[-4000:]
+
+
+def slope_error(loss, params, eps: float = 1e-6, seed: int = 7) -> float:
+    """|grad . d - (loss(+eps d) - loss(-eps d)) / 2 eps| / |that difference|: whether the gradient
+    that ``loss()`` (a float64 loss, backpropagated here) leaves on ``params`` is its derivative along
+    a random direction d. ``loss`` must draw the same random numbers on every call (a fixed seed).
+    eps 1e-6: float64's rounding stays ~1e-10 of the slope, the truncation error ~1e-9 on the tiny models."""
+    for p in params:
+        p.grad = None
+    loss().backward()
+    g = torch.Generator().manual_seed(seed)
+    direction = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+    projected = sum(float((p.grad * d).sum()) for p, d in zip(params, direction))
+    losses = []
+    for sign in (1, -1):  # (the losses with grad enabled: a training step's forward, whose draws
+        with torch.no_grad():  # a forward under no_grad need not repeat)
+            for p, d in zip(params, direction):
+                p.add_(sign * eps * d)
+        losses.append(loss().item())
+        with torch.no_grad():
+            for p, d in zip(params, direction):
+                p.sub_(sign * eps * d)
+    slope = (losses[0] - losses[1]) / (2 * eps)
+    return abs(projected - slope) / abs(slope)

@@ -15,6 +15,21 @@ from leanbp.testing import randomize_for_checks
 from leanbp.models import supported_model_types
 from leanbp.models import tiny_config as leanbp_tiny_config
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (the suite's default, pyproject.toml): one worker per core, at most 8 (each
+    worker holds its own tiny models and planner; more rarely pays on a shared machine)."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def pytest_configure(config):
+    # Workers side by side share the cores: each gets its share of intra-op threads instead of
+    # every worker starting one thread per core (oversubscribed, the suite ran slower than alone).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # the Llama family: the deepest engine tests run on it
 # every registered family (adding a family = an adapter with its tiny_config + a registry line)
 ALL_FAMILIES = supported_model_types()

@@ -220,6 +220,39 @@ def test_sft_lora_in_both_orders(monkeypatch, tmp_path, order):
         assert counter.heads == 2
 
 
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_sft_lora_dropout_gradient_is_the_derivative_of_the_steps_loss(tmp_path, order):
+    """TRL's SFT with a ``peft_config`` whose LoRA dropout is on: the streamed gradient of the
+    trainer's own loss is that loss's derivative under the step's seed (the backward replays the
+    forward's dropout masks; without the replay the two differ by ~1)."""
+    from _helpers import slope_error
+
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, init_lora_weights=False,
+                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
+    args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=3, report_to=[], use_cpu=True,
+                         bf16=False, fp16=False, save_strategy="no", seed=0, disable_tqdm=True,
+                         dataloader_num_workers=0)
+    model = tiny_model()
+    if order == "before":
+        leanbp.stream(model, **CHUNKS)
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=_completion_data(),
+                             processing_class=byte_tokenizer(), peft_config=lora)
+    if order == "after":
+        stream_trainer(trainer, **CHUNKS)
+    batch = next(iter(trainer.get_train_dataloader()))
+    model = trainer.model.train()
+    assert any(isinstance(m, torch.nn.Dropout) and m.p == 0.1 for m in model.modules())
+
+    def loss():
+        torch.manual_seed(1234)
+        return trainer.compute_loss(model, batch)
+
+    with full_precision_norms(model), exact_trl_head():
+        error = slope_error(loss, [p for p in model.parameters() if p.requires_grad])
+    assert error <= 1e-6
+
+
 # -- DPO -------------------------------------------------------------------------------------------
 
 def test_dpo_with_reference_model_matches_trl(monkeypatch, tmp_path):

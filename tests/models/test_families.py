@@ -163,7 +163,6 @@ def test_load_balancing_loss_off_when_not_asked():
 
 
 @pytest.mark.parametrize("family,setting", [("mixtral", dict(router_jitter_noise=0.1)),
-                                            ("phi3", dict(resid_pdrop=0.1)),
                                             ("gemma2", dict(attention_dropout=0.1))])
 def test_random_training_ops_are_refused(family, setting):
     model = tiny_model(family, **setting)

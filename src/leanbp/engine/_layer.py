@@ -19,6 +19,7 @@ router probabilities (E,), and adds that output's gradient to every recomputed c
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,7 @@ from ._grads import AutocastState, GradSum
 from ._masks import ChunkMasks, Documents, KeyKeep, PrefixGradSink, key_start
 from ._moe import RouterStats
 from ._offload import HostStore, backward_reads
+from ._rng import ChunkDraws
 from ._split import FULL, current_pass, wanted
 from ._ulysses import Exchange, HeadSplit, SequenceGroup, gather_kv, scatter_kv_grads
 
@@ -109,6 +111,26 @@ class LayerCall:
                 del k, v
         return [key, value]
 
+    def replayed_key_value(self, rows, chunks, draws: ChunkDraws) -> list[torch.Tensor]:
+        """``local_key_value`` of a layer whose chunks drew random numbers: the forward's chunks rerun
+        in order without a graph, each from the generators' states the forward had before it, so
+        the K/V are the forward's own (a K/V projection alone would draw other numbers). Memory:
+        as the forward, the buffers cover the rows ``chunks`` cover and one chunk's output at a time."""
+        key = value = None
+        with torch.no_grad(), self.autocast(), self.sdpa():
+            for j, (s, e) in enumerate(chunks):
+                draws.restore(j)
+                kb = self.key_begin(s)
+                prefix = (key[:, :, kb:s], value[:, :, kb:s]) if s > kb else (None, None)
+                chunk = self.chunk_out(rows(s, e), *prefix, s, e)
+                if key is None:
+                    n = chunks[-1][1]
+                    key = chunk.key.new_empty((*chunk.key.shape[:2], n, chunk.key.shape[3]))
+                    value = chunk.value.new_empty((*chunk.value.shape[:2], n, chunk.value.shape[3]))
+                key[:, :, s:e], value[:, :, s:e] = chunk.key, chunk.value
+                del chunk
+        return [key, value]
+
     def exchange(self, rows, length: int, device: torch.device, chunks, grad: bool) -> Exchange:
         """The layer's sequence-parallel exchange over its ``length`` local rows: every row's K/V for
         this rank's heads (with the sink of their gradients in backward)."""
@@ -156,8 +178,10 @@ class StreamedLayerFunction(torch.autograd.Function):
         # all rows before it
         key_buf = value_buf = None  # filled chunk by chunk
         prob_sum = None  # (E,) router probabilities summed over the rows, when asked for
+        draws = ChunkDraws(call.offload.device if call.offload is not None else hidden.device)
         with torch.no_grad():
             for s, e in chunks:
+                draws.mark()
                 kb = call.key_begin(s)
                 prefix = (key_buf[:, :, kb:s], value_buf[:, :, kb:s]) if s > kb else (None, None)
                 out_c, key_c, value_c, logits = call.chunk_out(rows(s, e), *prefix, s, e)
@@ -176,6 +200,7 @@ class StreamedLayerFunction(torch.autograd.Function):
         # Memory: the layer input is the only activation kept until backward (on the host with offload)
         ctx.save_for_backward(hidden, *params)
         ctx.call = call
+        ctx.draws = draws if draws.drew() else None  # (dropout in the layer: replayed in backward)
         return out if prob_sum is None else (out, prob_sum)
 
     @staticmethod
@@ -212,63 +237,79 @@ class StreamedLayerFunction(torch.autograd.Function):
         trainable = [p for p, need in zip(params, need_params) if need]
         if not need_input and not trainable:  # (a weight pass of a frozen layer)
             return (None, None, *[None] * len(params))
-        grads = GradSum(trainable)
+        draws: ChunkDraws | None = ctx.draws
+        with draws.replaying() if draws is not None else nullcontext():
+            return _backward(call, chunks, rows, grad_rows, grad_out, grad_prob_sum, need_input, need_params,
+                             trainable, split, draws)
 
-        # Prefix K/V for every chunk, computed once without a graph (the last chunk's own rows are
-        # never a prefix, so they are skipped); the (B, Hkv, P, D) buffers are what the chunks attend to
+
+def _backward(call: LayerCall, chunks, rows, grad_rows, grad_out, grad_prob_sum, need_input, need_params, trainable,
+              split: bool, draws: ChunkDraws | None):
+    """The chunk loop of ``StreamedLayerFunction.backward`` (``draws``: the forward's generator
+    states, set back before each chunk's recompute, when the layer drew random numbers)."""
+    grads = GradSum(trainable)
+
+    # Prefix K/V for every chunk, computed once without a graph (the last chunk's own rows are
+    # never a prefix, so they are skipped); the (B, Hkv, P, D) buffers are what the chunks attend to
+    if draws is None:
         key, value = call.local_key_value(rows, chunks[:-1])
-        # dL/dK, dL/dV that chunks send to the rows before them
-        sink = PrefixGradSink(key, value) if key is not None else None
-        # Memory: dL/dH_in[s:e] overwrites dL/dH_out[s:e], which chunk [s, e) was the last to read,
-        # when grad_out is the fresh gradient of the next streamed layer or the head (and no weight
-        # pass of a split backward reads it again)
-        reuse = call.owns_grad_out and not split
-        dhidden = (grad_out if reuse else torch.empty_like(grad_out)) if need_input else None
+    else:
+        key, value = call.replayed_key_value(rows, chunks[:-1], draws)
+    # dL/dK, dL/dV that chunks send to the rows before them
+    sink = PrefixGradSink(key, value) if key is not None else None
+    # Memory: dL/dH_in[s:e] overwrites dL/dH_out[s:e], which chunk [s, e) was the last to read,
+    # when grad_out is the fresh gradient of the next streamed layer or the head (and no weight
+    # pass of a split backward reads it again)
+    reuse = call.owns_grad_out and not split
+    dhidden = (grad_out if reuse else torch.empty_like(grad_out)) if need_input else None
 
-        for s, e in reversed(chunks):
-            kb = call.key_begin(s)
-            hidden_c = rows(s, e).detach().requires_grad_(need_input)
-            prefix_key = prefix_value = None
-            if s > kb:
-                # leaves of the visible prefix rows; their gradients go into the sink (or come back
-                # as (B, Hkv, s - kb, D) on the single-SDPA path), never as T-row tensors
-                prefix_key = key[:, :, kb:s].detach().requires_grad_()
-                prefix_value = value[:, :, kb:s].detach().requires_grad_()
-            with torch.enable_grad(), call.autocast(), call.sdpa():
-                out_c, key_c, value_c, logits = call.chunk_out(hidden_c, prefix_key, prefix_value, s, e, sink)
-                prob_sum_c = None
-                if grad_prob_sum is not None:  # the load-balancing loss's share of this chunk
-                    prob_sum_c = call.router_stats.chunk_prob_sum(logits, s, e)
-            outputs, grad_outputs = [out_c], [grad_rows(s, e)]
-            if prob_sum_c is not None and prob_sum_c.requires_grad:  # (not with a frozen router and input)
-                outputs.append(prob_sum_c)
-                grad_outputs.append(grad_prob_sum)
-            if sink is not None and sink.dkey is not None:  # what later chunks sent to this chunk's own rows
-                for own, d in ((key_c, sink.dkey), (value_c, sink.dvalue)):
-                    if own.requires_grad:
-                        outputs.append(own)
-                        grad_outputs.append(d[:, :, s:e])
-            prefix = [t for t in (prefix_key, prefix_value) if t is not None and key_c.requires_grad]
-            inputs = ([hidden_c] if need_input else []) + prefix + trainable
-            with call.sdpa():  # (the attention's backward picks its kernel too)
-                g = list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True))
-            if need_input:  # final: no other chunk reaches rows [s, e)
-                if call.offload is not None:
-                    call.offload.write(dhidden, s, e, g.pop(0))
-                else:
-                    dhidden[:, s:e] = g.pop(0)
-            if prefix:
-                dprefix_key, dprefix_value = g.pop(0), g.pop(0)
-                if dprefix_key is not None:  # the single-SDPA path returns them instead of sinking them
-                    sink.add(kb, s, dprefix_key, dprefix_value)
-                del dprefix_key, dprefix_value
-            grads.add(g)
-            del out_c, key_c, value_c, logits, prob_sum_c, g
+    for j in reversed(range(len(chunks))):
+        s, e = chunks[j]
+        if draws is not None:
+            draws.restore(j)
+        kb = call.key_begin(s)
+        hidden_c = rows(s, e).detach().requires_grad_(need_input)
+        prefix_key = prefix_value = None
+        if s > kb:
+            # leaves of the visible prefix rows; their gradients go into the sink (or come back
+            # as (B, Hkv, s - kb, D) on the single-SDPA path), never as T-row tensors
+            prefix_key = key[:, :, kb:s].detach().requires_grad_()
+            prefix_value = value[:, :, kb:s].detach().requires_grad_()
+        with torch.enable_grad(), call.autocast(), call.sdpa():
+            out_c, key_c, value_c, logits = call.chunk_out(hidden_c, prefix_key, prefix_value, s, e, sink)
+            prob_sum_c = None
+            if grad_prob_sum is not None:  # the load-balancing loss's share of this chunk
+                prob_sum_c = call.router_stats.chunk_prob_sum(logits, s, e)
+        outputs, grad_outputs = [out_c], [grad_rows(s, e)]
+        if prob_sum_c is not None and prob_sum_c.requires_grad:  # (not with a frozen router and input)
+            outputs.append(prob_sum_c)
+            grad_outputs.append(grad_prob_sum)
+        if sink is not None and sink.dkey is not None:  # what later chunks sent to this chunk's own rows
+            for own, d in ((key_c, sink.dkey), (value_c, sink.dvalue)):
+                if own.requires_grad:
+                    outputs.append(own)
+                    grad_outputs.append(d[:, :, s:e])
+        prefix = [t for t in (prefix_key, prefix_value) if t is not None and key_c.requires_grad]
+        inputs = ([hidden_c] if need_input else []) + prefix + trainable
+        with call.sdpa():  # (the attention's backward picks its kernel too)
+            g = list(torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True))
+        if need_input:  # final: no other chunk reaches rows [s, e)
+            if call.offload is not None:
+                call.offload.write(dhidden, s, e, g.pop(0))
+            else:
+                dhidden[:, s:e] = g.pop(0)
+        if prefix:
+            dprefix_key, dprefix_value = g.pop(0), g.pop(0)
+            if dprefix_key is not None:  # the single-SDPA path returns them instead of sinking them
+                sink.add(kb, s, dprefix_key, dprefix_value)
+            del dprefix_key, dprefix_value
+        grads.add(g)
+        del out_c, key_c, value_c, logits, prob_sum_c, g
 
-        if call.offload is not None:
-            call.offload.finish()  # dhidden is complete before autograd hands it on
-        it = iter(grads.result())
-        return (dhidden, None, *[next(it) if need else None for need in need_params])
+    if call.offload is not None:
+        call.offload.finish()  # dhidden is complete before autograd hands it on
+    it = iter(grads.result())
+    return (dhidden, None, *[next(it) if need else None for need in need_params])
 
 
 # -- sequence parallelism (``_ulysses.py``) ------------------------------------------------------
@@ -281,9 +322,12 @@ def _sequence_parallel_forward(ctx, hidden: torch.Tensor, call: LayerCall, param
     out, rows, write = _forward_io(call, hidden, [(hidden, s, e) for s, e in chunks] * 2)
     device = call.offload.device if call.offload is not None else hidden.device
     prob_sum = None  # (E,) router probabilities summed over this rank's rows, when asked for
+    draws = ChunkDraws(device)  # (before the exchange's K/V, then before each chunk)
     with torch.no_grad():
+        draws.mark()
         exchange = call.exchange(rows, hidden.shape[1], device, chunks, grad=False)
         for s, e in chunks:
+            draws.mark()
             chunk = call.chunk_out(rows(s, e), None, None, s, e, exchange=exchange)
             write(s, e, chunk.out)
             if call.router_stats is not None:  # routings counted and probabilities summed (local rows)
@@ -295,6 +339,7 @@ def _sequence_parallel_forward(ctx, hidden: torch.Tensor, call: LayerCall, param
         call.offload.finish()  # out is complete before autograd hands it on
     ctx.save_for_backward(hidden, *params)
     ctx.call = call
+    ctx.draws = draws if draws.drew() else None
     return out if prob_sum is None else (out, prob_sum)
 
 
@@ -307,6 +352,20 @@ def _sequence_parallel_backward(ctx, grad_out: torch.Tensor, grad_prob_sum: torc
     of those three passes: the input for the exchange's K/V; the input and the output gradient per
     chunk, last chunk first (the chunk's input gradient written over its output gradient); the input
     and that partial input gradient per chunk, which the K/V projections complete."""
+    draws: ChunkDraws | None = ctx.draws
+    with draws.replaying() if draws is not None else nullcontext():
+        return _sequence_parallel_chunks(ctx, grad_out, grad_prob_sum, draws)
+
+
+def _sequence_parallel_chunks(ctx, grad_out, grad_prob_sum, draws: ChunkDraws | None):
+    """``_sequence_parallel_backward``'s three passes; with ``draws``, each pass starts from the
+    generators' states the forward had there (the exchange's K/V and the K/V projections from the
+    forward's exchange, chunk j from the forward's chunk j)."""
+
+    def replay(j: int) -> None:
+        if draws is not None:
+            draws.restore(j)
+
     call: LayerCall = ctx.call
     hidden, *params = ctx.saved_tensors
     T = hidden.shape[1]
@@ -338,10 +397,13 @@ def _sequence_parallel_backward(ctx, grad_out: torch.Tensor, grad_prob_sum: torc
 
         def write(t, s, e, block):
             t[:, s:e] = block
+    replay(0)
     exchange = call.exchange(lambda s, e: rows(hidden, s, e), T, device, chunks, grad=True)
     # Memory: dL/dH_in[s:e] overwrites dL/dH_out[s:e] once chunk [s, e) has read it
     dhidden = grad_out if need_input else None
-    for s, e in reversed(chunks):
+    for j in reversed(range(len(chunks))):
+        s, e = chunks[j]
+        replay(1 + j)
         hidden_c = rows(hidden, s, e).detach().requires_grad_(need_input)
         grad_c = rows(grad_out, s, e)
         with torch.enable_grad(), call.autocast(), call.sdpa():
@@ -365,6 +427,7 @@ def _sequence_parallel_backward(ctx, grad_out: torch.Tensor, grad_prob_sum: torc
                 sink.dvalue if sink.dvalue is not None else torch.zeros_like(exchange.value)]
     del exchange, sink  # Memory: the gathered K/V and the sink's references go before the exchange
     dkey, dvalue = scatter_kv_grads(call.sequence, call.heads, all_rows, T)  # (B, Hkv, T/P, D); empties all_rows
+    replay(0)  # (the projections draw what the forward's exchange drew, chunk by chunk in order)
     for s, e in chunks:  # the K/V projections of the local rows, with what every rank's queries sent
         hidden_c = rows(hidden, s, e).detach().requires_grad_(need_input)
         with torch.enable_grad(), call.autocast():

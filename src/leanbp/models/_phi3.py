@@ -1,6 +1,6 @@
 """Phi3 decoder layers: Llama's layer with a fused ``qkv_proj`` and ``gate_up_proj``, partial rotary
 (``partial_rotary_factor``: only the first dims of each head rotate), one sliding window for all
-layers, and residual dropout (refused in a training step while it is on)."""
+layers, and residual dropout (the layer's own dropout modules: a streamed backward replays their draws)."""
 
 from __future__ import annotations
 
@@ -41,11 +41,11 @@ class Phi3Adapter(DecoderAdapter):
     def project_query(self, attn, x):
         return self.project(attn, x)[0]
 
-    def training_randomness(self):
-        out = super().training_randomness()
-        if float(getattr(self.config, "resid_pdrop", 0.0) or 0.0) > 0:
-            out.append(f"resid_pdrop={self.config.resid_pdrop}")
-        return out
+    def attention_residual(self, layer, hidden, attn_out):
+        return hidden + layer.resid_attn_dropout(attn_out)
+
+    def mlp_residual(self, layer, hidden):
+        return hidden + layer.resid_mlp_dropout(layer.mlp(layer.post_attention_layernorm(hidden)))
 
     def norm_sites(self, notes):
         sites = []
