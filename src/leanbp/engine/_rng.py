@@ -19,6 +19,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 
 def _device_module(device: torch.device):
@@ -28,22 +29,29 @@ def _device_module(device: torch.device):
     return getattr(torch, device.type, None)
 
 
+# The generators' states are real tensors even while ``leanbp plan`` runs a step under
+# FakeTensorMode (whose fake draws move no generator: nothing is replayed there), so they are read,
+# compared and set outside it.
+
 def _states(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    module = _device_module(device)
-    own = module.get_rng_state(device) if module is not None else None
-    return torch.get_rng_state(), own
+    with unset_fake_temporarily():
+        module = _device_module(device)
+        own = module.get_rng_state(device) if module is not None else None
+        return torch.get_rng_state(), own
 
 
 def _set(device: torch.device, states: tuple[torch.Tensor, torch.Tensor | None]) -> None:
     cpu, own = states
-    torch.set_rng_state(cpu)
-    if own is not None:
-        _device_module(device).set_rng_state(own, device)
+    with unset_fake_temporarily():
+        torch.set_rng_state(cpu)
+        if own is not None:
+            _device_module(device).set_rng_state(own, device)
 
 
 def _same(a, b) -> bool:
-    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
-               for x, y in zip(a, b))
+    with unset_fake_temporarily():
+        return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+                   for x, y in zip(a, b))
 
 
 class ChunkDraws:
