@@ -30,6 +30,62 @@ def pytest_configure(config):
 
 
 
+# -- the suite's time budget (README: the whole suite in 15 minutes on 2 cores) --------------------
+# Each test's setup and call are charged their CPU seconds (this process's and the children it
+# waited for: torchrun ranks, planner pools), which a busy machine does not inflate as it does wall
+# time. One phase over CPU_LIMIT_S fails: a test that slow should share fixtures, start fewer
+# processes or use smaller shapes (the 2-core budget is 1,800 CPU seconds; a phase may take 1/8).
+CPU_LIMIT_S = float(os.environ.get("LEANBP_TEST_CPU_LIMIT_S", 225))
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _charged(item, phase: str):
+    start = _cpu_seconds()
+    result = yield
+    spent = _cpu_seconds() - start
+    item.user_properties.append((f"cpu_s_{phase}", round(spent, 2)))
+    if spent > CPU_LIMIT_S:
+        pytest.fail(f"{phase} took {spent:.0f} CPU seconds, over the suite's per-test limit of {CPU_LIMIT_S:.0f} "
+                    "(tests/conftest.py CPU_LIMIT_S)", pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _charged(item, "setup"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _charged(item, "call"))
+
+
+_CPU_BY_TEST: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    for name, value in report.user_properties:
+        if name == f"cpu_s_{report.when}":
+            _CPU_BY_TEST[report.nodeid] = _CPU_BY_TEST.get(report.nodeid, 0.0) + value
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The suite reports its own costliest tests (CPU seconds of setup and call, children included)."""
+    if not _CPU_BY_TEST:
+        return
+    worst = sorted(_CPU_BY_TEST.items(), key=lambda kv: -kv[1])[:15]
+    terminalreporter.section(f"costliest tests (CPU s; limit {CPU_LIMIT_S:.0f} per phase, total "
+                             f"{sum(_CPU_BY_TEST.values()):.0f})")
+    for nodeid, seconds in worst:
+        terminalreporter.write_line(f"{seconds:8.1f}  {nodeid}")
+
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # the Llama family: the deepest engine tests run on it
 # every registered family (adding a family = an adapter with its tiny_config + a registry line)
 ALL_FAMILIES = supported_model_types()

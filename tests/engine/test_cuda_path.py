@@ -195,10 +195,10 @@ def test_the_kernels_chosen_in_forward_also_run_the_backward(monkeypatch):
     """``with sdpa_kernel([EFFICIENT_ATTENTION]): loss = model(x)`` then ``loss.backward()`` outside
     the block: leanbp's backward recomputes the attention, and it must do so with the kernels the
     forward was allowed (as SDPA's backward does), not with whatever is enabled when backward runs."""
+    model = tiny_model("llama", dtype=torch.bfloat16, **ONE_LAYER)
+    leanbp.stream(model, chunk_size=16)  # (its probe on the CPU kernels, before the stand-ins count)
     ops = StrictCudaOps()
     monkeypatch.setattr(_attention, "backend_for", lambda device: ops.backend())
-    model = tiny_model("llama", dtype=torch.bfloat16, **ONE_LAYER)
-    leanbp.stream(model, chunk_size=16)
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
         loss = model(input_ids=ids, labels=ids).loss

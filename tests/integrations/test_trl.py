@@ -83,7 +83,7 @@ class _Counter:
         layer_apply, head_apply = StreamedLayerFunction.apply, ChunkedTokenStatsFunction.apply
 
         def layer(*a):
-            self.layers += 1
+            self.layers += torch.is_grad_enabled()  # (not stream()'s probe)
             return layer_apply(*a)
 
         def head(*a):

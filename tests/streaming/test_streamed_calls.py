@@ -27,14 +27,15 @@ def _worst(ref, model):
 
 
 class _CountLayers:
-    """Counts StreamedLayerFunction.apply calls (one per decoder layer per streamed forward)."""
+    """Counts StreamedLayerFunction.apply calls that build a graph (one per decoder layer per streamed
+    training forward; stream()'s probe runs each layer once without one)."""
 
     def __init__(self, monkeypatch):
         self.calls = 0
         original = StreamedLayerFunction.apply
 
         def counting(*args):
-            self.calls += 1
+            self.calls += torch.is_grad_enabled()
             return original(*args)
 
         monkeypatch.setattr(StreamedLayerFunction, "apply", counting)

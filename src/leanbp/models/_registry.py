@@ -7,7 +7,7 @@ from torch import nn
 from ._base import ApproxRecipe, FamilyAdapter
 from ._encoders import BertRecipe, VitRecipe
 from ._gemma import Gemma2Adapter, Gemma3Adapter
-from ._head_only import HeadOnlyAdapter
+from ._head_only import HeadOnlyAdapter, head_only_backbone
 from ._llama import LlamaAdapter, MistralAdapter, Qwen2Adapter, Qwen3Adapter
 from ._moe import MixtralAdapter, Qwen3MoeAdapter
 from ._olmo2 import Olmo2Adapter
@@ -74,9 +74,11 @@ def adapter_for(model: nn.Module, layers: bool = True) -> FamilyAdapter:
         adapter.check()
         return adapter
     has_head = callable(getattr(model, "get_output_embeddings", None)) and model.get_output_embeddings() is not None
-    backbone = getattr(model, "base_model", None)
-    if not layers and has_head and isinstance(backbone, nn.Module) and backbone is not model:
-        return HeadOnlyAdapter(model)
+    has_head = has_head and head_only_backbone(model) is not None  # (what layers=False needs)
+    if not layers and has_head:
+        adapter = HeadOnlyAdapter(model)
+        adapter.check()
+        return adapter
     fallback = (
         f" {name} has an output embedding, so leanbp.stream(model, layers=False) chunks its LM head and "
         "loss (the largest single activation) while transformers runs the decoder."

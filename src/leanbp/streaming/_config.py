@@ -49,6 +49,9 @@ class StreamConfig:
     offload: bool = setting(False, help="keep the hidden states between decoder layers, and their gradients, in host "
                                         "memory (the same gradients, bit for bit; the device holds one layer's "
                                         "working set)")
+    check: bool = setting(True, help="at stream(), run leanbp's layers and head and the model's own forward on a "
+                                     "16-token probe and refuse where they differ (an adapter that does not match "
+                                     "the model's modeling code); off: skip it for a model you verified")
     attention: str = setting("blocks", choices=ATTENTION_MODES,
                              help="how chunk attention applies its masks: blocks = the prefix and the chunk's own rows "
                                   "as key blocks through fused kernels, merged by their log-sum-exps (CPU and CUDA); "

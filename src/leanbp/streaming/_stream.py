@@ -19,6 +19,7 @@ from ..engine import SequenceGroup, unroute
 from ..models import adapter_for
 from ._config import StreamConfig
 from ._forwards import CHECKPOINTING_IGNORED, backbone_forward, checkpointing, lm_forward
+from ._probe import check_streamed
 from ._state import ATTRIBUTE, StreamState, causal_lm_of, state_of
 
 # attention implementations that compute what leanbp's chunk attention computes (leanbp computes
@@ -89,6 +90,8 @@ def stream(model: nn.Module, config: StreamConfig | None = None, *old_positional
         )
     if config.layers:  # (before anything is installed: a refusal leaves the model as it was)
         prepare_for_engines(adapter.layers(), [adapter.final_norm(), adapter.lm_head()])
+    if config.check:  # (before anything is installed, like the refusals above)
+        check_streamed(lm, adapter, config.layers)
     state = StreamState(config=config, adapter=adapter, sequence=sequence)
     if config.layers and checkpointing(adapter):
         state.warn_once("checkpointing", CHECKPOINTING_IGNORED)
