@@ -19,7 +19,6 @@ router probabilities (E,), and adds that output's gradient to every recomputed c
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -116,20 +115,14 @@ class LayerCall:
         in order without a graph, each from the generators' states the forward had before it, so
         the K/V are the forward's own (a K/V projection alone would draw other numbers). Memory:
         as the forward, the buffers cover the rows ``chunks`` cover and one chunk's output at a time."""
-        key = value = None
+        kv = _KeyValueRows(chunks[-1][1] if chunks else 0)  # ([None, None] for no chunks)
         with torch.no_grad(), self.autocast(), self.sdpa():
             for j, (s, e) in enumerate(chunks):
                 draws.restore(j)
-                kb = self.key_begin(s)
-                prefix = (key[:, :, kb:s], value[:, :, kb:s]) if s > kb else (None, None)
-                chunk = self.chunk_out(rows(s, e), *prefix, s, e)
-                if key is None:
-                    n = chunks[-1][1]
-                    key = chunk.key.new_empty((*chunk.key.shape[:2], n, chunk.key.shape[3]))
-                    value = chunk.value.new_empty((*chunk.value.shape[:2], n, chunk.value.shape[3]))
-                key[:, :, s:e], value[:, :, s:e] = chunk.key, chunk.value
+                chunk = self.chunk_out(rows(s, e), *kv.prefix(self.key_begin(s), s), s, e)
+                kv.put(s, e, chunk.key, chunk.value)
                 del chunk
-        return [key, value]
+        return [kv.key, kv.value]
 
     def exchange(self, rows, length: int, device: torch.device, chunks, grad: bool) -> Exchange:
         """The layer's sequence-parallel exchange over its ``length`` local rows: every row's K/V for
@@ -138,6 +131,27 @@ class LayerCall:
         return Exchange(self.sequence, self.heads, key, value, length,
                         lambda g0, g1: self.global_masks(g0, g1, device),
                         PrefixGradSink(key, value) if grad else None)
+
+
+class _KeyValueRows:
+    """The K/V buffers (B, Hkv, rows, D) of a layer's chunks run in sequence order: each chunk
+    attends to the rows before it and then adds its own."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+        self.key = self.value = None  # allocated by the first chunk (its K/V give shape and dtype)
+
+    def prefix(self, begin: int, start: int):
+        """The visible rows [begin, start) of K and V, (None, None) when there are none."""
+        if start <= begin:
+            return None, None
+        return self.key[:, :, begin:start], self.value[:, :, begin:start]
+
+    def put(self, start: int, end: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        if self.key is None:
+            self.key = key.new_empty((*key.shape[:2], self.rows, key.shape[3]))
+            self.value = value.new_empty((*value.shape[:2], self.rows, value.shape[3]))
+        self.key[:, :, start:end], self.value[:, :, start:end] = key, value
 
 
 def _forward_io(call: LayerCall, hidden: torch.Tensor, reads):
@@ -176,31 +190,27 @@ class StreamedLayerFunction(torch.autograd.Function):
         out, rows, write = _forward_io(call, hidden, [(hidden, s, e) for s, e in chunks])
         # Memory: the K/V buffers (B, Hkv, T, D) hold every row's K/V because each chunk attends to
         # all rows before it
-        key_buf = value_buf = None  # filled chunk by chunk
+        kv = _KeyValueRows(hidden.shape[1])
         prob_sum = None  # (E,) router probabilities summed over the rows, when asked for
         draws = ChunkDraws(call.offload.device if call.offload is not None else hidden.device)
         with torch.no_grad():
             for s, e in chunks:
                 draws.mark()
-                kb = call.key_begin(s)
-                prefix = (key_buf[:, :, kb:s], value_buf[:, :, kb:s]) if s > kb else (None, None)
-                out_c, key_c, value_c, logits = call.chunk_out(rows(s, e), *prefix, s, e)
+                out_c, key_c, value_c, logits = call.chunk_out(rows(s, e), *kv.prefix(call.key_begin(s), s), s, e)
                 write(s, e, out_c)
                 del out_c  # Memory: one chunk's output at a time
                 if call.router_stats is not None:  # routings counted and probabilities summed
                     chunk_sum = call.router_stats.chunk_prob_sum(logits, s, e, call.router)
                     prob_sum = chunk_sum if prob_sum is None else prob_sum + chunk_sum
                 del logits  # Memory: one chunk's router logits at a time
-                if key_buf is None:
-                    key_buf = key_c.new_empty((*key_c.shape[:2], hidden.shape[1], key_c.shape[3]))
-                    value_buf = value_c.new_empty((*value_c.shape[:2], hidden.shape[1], value_c.shape[3]))
-                key_buf[:, :, s:e], value_buf[:, :, s:e] = key_c, value_c
+                kv.put(s, e, key_c, value_c)
         if call.offload is not None:
             call.offload.finish()  # out is complete before autograd hands it on
         # Memory: the layer input is the only activation kept until backward (on the host with offload)
         ctx.save_for_backward(hidden, *params)
         ctx.call = call
-        ctx.draws = draws if draws.drew() else None  # (dropout in the layer: replayed in backward)
+        draws.drew()  # (kept only when the layer drew: dropout in the layer, replayed in backward)
+        ctx.draws = draws
         return out if prob_sum is None else (out, prob_sum)
 
     @staticmethod
@@ -237,24 +247,23 @@ class StreamedLayerFunction(torch.autograd.Function):
         trainable = [p for p, need in zip(params, need_params) if need]
         if not need_input and not trainable:  # (a weight pass of a frozen layer)
             return (None, None, *[None] * len(params))
-        draws: ChunkDraws | None = ctx.draws
-        with draws.replaying() if draws is not None else nullcontext():
+        with ctx.draws.replaying():
             return _backward(call, chunks, rows, grad_rows, grad_out, grad_prob_sum, need_input, need_params,
-                             trainable, split, draws)
+                             trainable, split, ctx.draws)
 
 
 def _backward(call: LayerCall, chunks, rows, grad_rows, grad_out, grad_prob_sum, need_input, need_params, trainable,
-              split: bool, draws: ChunkDraws | None):
+              split: bool, draws: ChunkDraws):
     """The chunk loop of ``StreamedLayerFunction.backward`` (``draws``: the forward's generator
-    states, set back before each chunk's recompute, when the layer drew random numbers)."""
+    states, set back before each chunk's recompute when the layer drew random numbers)."""
     grads = GradSum(trainable)
 
     # Prefix K/V for every chunk, computed once without a graph (the last chunk's own rows are
     # never a prefix, so they are skipped); the (B, Hkv, P, D) buffers are what the chunks attend to
-    if draws is None:
-        key, value = call.local_key_value(rows, chunks[:-1])
-    else:
+    if draws.replays:
         key, value = call.replayed_key_value(rows, chunks[:-1], draws)
+    else:
+        key, value = call.local_key_value(rows, chunks[:-1])
     # dL/dK, dL/dV that chunks send to the rows before them
     sink = PrefixGradSink(key, value) if key is not None else None
     # Memory: dL/dH_in[s:e] overwrites dL/dH_out[s:e], which chunk [s, e) was the last to read,
@@ -265,8 +274,7 @@ def _backward(call: LayerCall, chunks, rows, grad_rows, grad_out, grad_prob_sum,
 
     for j in reversed(range(len(chunks))):
         s, e = chunks[j]
-        if draws is not None:
-            draws.restore(j)
+        draws.restore(j)
         kb = call.key_begin(s)
         hidden_c = rows(s, e).detach().requires_grad_(need_input)
         prefix_key = prefix_value = None
@@ -339,7 +347,8 @@ def _sequence_parallel_forward(ctx, hidden: torch.Tensor, call: LayerCall, param
         call.offload.finish()  # out is complete before autograd hands it on
     ctx.save_for_backward(hidden, *params)
     ctx.call = call
-    ctx.draws = draws if draws.drew() else None
+    draws.drew()
+    ctx.draws = draws
     return out if prob_sum is None else (out, prob_sum)
 
 
@@ -352,20 +361,14 @@ def _sequence_parallel_backward(ctx, grad_out: torch.Tensor, grad_prob_sum: torc
     of those three passes: the input for the exchange's K/V; the input and the output gradient per
     chunk, last chunk first (the chunk's input gradient written over its output gradient); the input
     and that partial input gradient per chunk, which the K/V projections complete."""
-    draws: ChunkDraws | None = ctx.draws
-    with draws.replaying() if draws is not None else nullcontext():
-        return _sequence_parallel_chunks(ctx, grad_out, grad_prob_sum, draws)
+    with ctx.draws.replaying():
+        return _sequence_parallel_chunks(ctx, grad_out, grad_prob_sum, ctx.draws)
 
 
-def _sequence_parallel_chunks(ctx, grad_out, grad_prob_sum, draws: ChunkDraws | None):
-    """``_sequence_parallel_backward``'s three passes; with ``draws``, each pass starts from the
-    generators' states the forward had there (the exchange's K/V and the K/V projections from the
-    forward's exchange, chunk j from the forward's chunk j)."""
-
-    def replay(j: int) -> None:
-        if draws is not None:
-            draws.restore(j)
-
+def _sequence_parallel_chunks(ctx, grad_out, grad_prob_sum, draws: ChunkDraws):
+    """``_sequence_parallel_backward``'s three passes; when the layer drew, each pass starts from
+    the generators' states the forward had there (state 0: before the exchange's K/V, which the K/V
+    projections redraw; state 1 + j: before chunk j)."""
     call: LayerCall = ctx.call
     hidden, *params = ctx.saved_tensors
     T = hidden.shape[1]
@@ -397,13 +400,13 @@ def _sequence_parallel_chunks(ctx, grad_out, grad_prob_sum, draws: ChunkDraws | 
 
         def write(t, s, e, block):
             t[:, s:e] = block
-    replay(0)
+    draws.restore(0)
     exchange = call.exchange(lambda s, e: rows(hidden, s, e), T, device, chunks, grad=True)
     # Memory: dL/dH_in[s:e] overwrites dL/dH_out[s:e] once chunk [s, e) has read it
     dhidden = grad_out if need_input else None
     for j in reversed(range(len(chunks))):
         s, e = chunks[j]
-        replay(1 + j)
+        draws.restore(1 + j)
         hidden_c = rows(hidden, s, e).detach().requires_grad_(need_input)
         grad_c = rows(grad_out, s, e)
         with torch.enable_grad(), call.autocast(), call.sdpa():
@@ -427,7 +430,7 @@ def _sequence_parallel_chunks(ctx, grad_out, grad_prob_sum, draws: ChunkDraws | 
                 sink.dvalue if sink.dvalue is not None else torch.zeros_like(exchange.value)]
     del exchange, sink  # Memory: the gathered K/V and the sink's references go before the exchange
     dkey, dvalue = scatter_kv_grads(call.sequence, call.heads, all_rows, T)  # (B, Hkv, T/P, D); empties all_rows
-    replay(0)  # (the projections draw what the forward's exchange drew, chunk by chunk in order)
+    draws.restore(0)  # (the projections draw what the forward's exchange drew, chunk by chunk in order)
     for s, e in chunks:  # the K/V projections of the local rows, with what every rank's queries sent
         hidden_c = rows(hidden, s, e).detach().requires_grad_(need_input)
         with torch.enable_grad(), call.autocast():

@@ -55,7 +55,8 @@ def _same(a, b) -> bool:
 
 
 class ChunkDraws:
-    """The generator states before each chunk of one layer call, kept only if the call drew."""
+    """The generator states before each chunk of one layer call, kept only if the call drew
+    (without them, ``restore`` and ``replaying`` do nothing: the backward recomputes as it is)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -68,24 +69,29 @@ class ChunkDraws:
     def drew(self) -> bool:
         """After the forward: whether any chunk drew (the states moved). When none did, the
         states are dropped and the backward recomputes without replaying."""
-        moved = bool(self.before) and not _same(self.before[0], _states(self.device))
-        if not moved:
+        if self.before and _same(self.before[0], _states(self.device)):
             self.before = []
-        return moved
+        return self.replays
+
+    @property
+    def replays(self) -> bool:
+        return bool(self.before)
 
     def restore(self, j: int) -> None:
         """The generators as they were before chunk j of the forward."""
-        _set(self.device, self.before[j])
+        if self.replays:
+            _set(self.device, self.before[j])
 
     @contextmanager
     def replaying(self):
         """A backward that replays: afterwards the generators are where the backward found them,
         so a training step draws the same numbers after its backward as plain autograd's would."""
-        now = _states(self.device)
+        now = _states(self.device) if self.replays else None
         try:
             yield self
         finally:
-            _set(self.device, now)
+            if now is not None:
+                _set(self.device, now)
 
 
 __all__ = ["ChunkDraws"]
