@@ -64,6 +64,13 @@ class LogitTransform:
             logits.div_(self.temperature)
         return logits
 
+    def applied(self, logits: torch.Tensor) -> torch.Tensor:
+        """Full logits transformed as transformers does, in their dtype (computed in at least
+        float32; in place when they already are)."""
+        if self.identity:
+            return logits
+        return self.apply_(logits.to(torch.promote_types(logits.dtype, torch.float32))).to(logits.dtype)
+
     def chain_(self, dz: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
         """dL/dz -> dL/dlogits in place; ``z`` (the transformed logits) is needed only with a softcap."""
         if self.softcap is not None:

@@ -343,8 +343,7 @@ def _labels_forward(lm: nn.Module, state: StreamState, arguments: dict, with_aux
     if not grad and not lm.training and state.config.eval_logits:
         with call.autocast():
             logits = lm_head(norm(hidden))  # (B, T, V): evaluation asked for them, as in transformers
-        if not call.transform.identity:  # (as transformers: in the logits' dtype)
-            logits = call.transform.apply_(logits.to(torch.promote_types(logits.dtype, torch.float32))).to(logits.dtype)
+        logits = call.transform.applied(logits)
     if router_stats is None:
         return CausalLMOutputWithPast(loss=loss, logits=logits)
     aux_loss = router_stats.loss(_grad_scale(state))

@@ -23,8 +23,9 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from ..engine import decoder_layers
+from ..engine import decoder_layers, has_values
 
 PROBE_ROWS = 16
 PROBE_CHUNK = 5  # chunks [0, 5), [5, 10), [10, 15), [15, 16): every kind of prefix
@@ -37,11 +38,10 @@ def _tolerance(dtype: torch.dtype) -> float:
 
 
 def _runnable(model: nn.Module) -> bool:
-    for p in model.parameters():
-        if p.device.type == "meta" or type(p).__name__ in ("FakeTensor", "DTensor") \
-                or type(p.data).__name__ in ("FakeTensor", "DTensor") or hasattr(p, "ds_id"):
-            return False
-    return True
+    """Whether every parameter holds its values here: not on the meta device, not fake (a planned
+    step), not a DTensor shard (FSDP2), not partitioned by ZeRO-3 (``ds_id``)."""
+    return all(p.device.type != "meta" and has_values(p.data) and not isinstance(p.data, DTensor)
+               and not hasattr(p, "ds_id") for p in model.parameters())
 
 
 @contextmanager
@@ -119,13 +119,12 @@ def check_streamed(lm: nn.Module, adapter, layers: bool) -> None:
     try:
         with _evaluation(lm), torch.no_grad():
             own = lm(input_ids=ids, use_cache=False)
-            problems = [_layer_problem(adapter, i, io) for i in range(len(decoder_layers_))]
-            problems = [p for p in problems if p is not None]
+            problems = [p for i in range(len(decoder_layers_)) if (p := _layer_problem(adapter, i, io)) is not None]
             if not problems:  # (the head is only judged on layers that agree)
-                problems = [_head_problem(lm, adapter, ids, own.logits, io, layers)]
+                head = _head_problem(lm, adapter, ids, own.logits, io, layers)
+                problems = [head] if head is not None else []
     finally:
         io.remove()
-    problems = [p for p in problems if p is not None]
     if problems:
         name = type(lm).__name__
         raise NotImplementedError(
@@ -159,10 +158,8 @@ def _head_problem(lm, adapter, ids, theirs: torch.Tensor, io: _LayerIO, layers: 
         hidden = adapter.final_norm()(adapter.embed_tokens()(ids))
     else:
         hidden = adapter.backbone()(input_ids=ids, use_cache=False).last_hidden_state
-    logits = adapter.lm_head()(hidden)
     transform = adapter.logit_transform()
-    if not transform.identity:
-        logits = transform.apply_(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+    logits = transform.applied(adapter.lm_head()(hidden))
     if logits.shape != theirs.shape:
         return f"the logits have shape {tuple(logits.shape)}, the model's {tuple(theirs.shape)}"
     errors = _relative(logits, theirs, theirs)
