@@ -37,6 +37,15 @@ def _tolerance(dtype: torch.dtype) -> float:
     return {torch.float64: 1e-5, torch.float32: 1e-3}.get(dtype, 6e-2)
 
 
+def _roundest(module: nn.Module, output: torch.Tensor) -> torch.dtype:
+    """The least precise floating dtype the computation of ``output`` by ``module`` rounds to: the
+    output's, its floating parameters' (PEFT's LoRA adapters may be bf16 on a float32 model, as TRL
+    casts them on a 4-bit one) and bitsandbytes' compute dtype (``compute_dtype``)."""
+    dtypes = {output.dtype, *(p.dtype for p in module.parameters() if p.dtype.is_floating_point)}
+    dtypes |= {d for m in module.modules() if isinstance(d := getattr(m, "compute_dtype", None), torch.dtype)}
+    return max(dtypes, key=lambda d: torch.finfo(d).eps)
+
+
 def _runnable(model: nn.Module) -> bool:
     """Whether every parameter holds its values here: not on the meta device, not fake (a planned
     step), not a DTensor shard (FSDP2), not partitioned by ZeRO-3 (``ds_id``)."""
@@ -145,7 +154,7 @@ def _layer_problem(adapter, i: int, io: _LayerIO) -> str | None:
     if ours.shape != theirs.shape:
         return f"decoder layer {i} returns shape {tuple(ours.shape)}, the model's {tuple(theirs.shape)}"
     errors = _relative(ours, theirs, theirs - hidden)  # (relative to the layer's update of the rows)
-    if _differs(errors, theirs.dtype):
+    if _differs(errors, _roundest(adapter.layers()[i], theirs)):
         return f"decoder layer {i} (relative error {errors.max().item():.2e} of its update)"
     return None
 
@@ -163,7 +172,7 @@ def _head_problem(lm, adapter, ids, theirs: torch.Tensor, io: _LayerIO, layers: 
     if logits.shape != theirs.shape:
         return f"the logits have shape {tuple(logits.shape)}, the model's {tuple(theirs.shape)}"
     errors = _relative(logits, theirs, theirs)
-    if _differs(errors, theirs.dtype):
+    if _differs(errors, _roundest(adapter.lm_head(), theirs)):
         return (f"the logits (relative error {errors.max().item():.2e}; leanbp applies {transform} after "
                 "the LM head)")
     return None
