@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+import leanbp
 from leanbp.cli import main
 
 
@@ -91,6 +92,32 @@ def test_bench_runs_the_other_family_shapes(tmp_path, capsys, model):
                  "--out", str(tmp_path), "--chunk-size", "16"]) == 0
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert [(r["model"], r["method"]) for r in rows] == [(model, "leanbp")] and rows[0]["activations"] > 0
+
+
+def test_bench_measures_qlora(tmp_path, capsys):
+    """``--quantize nf4``: each method on the bench model loaded in 4 bits with LoRA on top."""
+    pytest.importorskip("bitsandbytes")
+    assert main(["bench", "--quantize", "nf4", "--seq-lens", "48", "--methods", "ckpt,leanbp", "--timed-steps", "1",
+                 "--out", str(tmp_path), "--chunk-size", "16"]) == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [(r["quantize"], r["method"]) for r in rows] == [("nf4", "ckpt"), ("nf4", "leanbp")]
+    assert all("error" not in r and r["activations"] > 0 for r in rows)
+    # the frozen 4-bit base gets no gradient: only the adapters' (r=8 on 7 linears of 4 layers)
+    assert rows[0]["grads"] == rows[1]["grads"] < rows[0]["params"] / 10
+
+
+def test_bench_quantize_builds_the_qlora_model():
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes
+
+    from leanbp.bench import build_case_model
+
+    top, _ = build_case_model({"method": "leanbp", "seq_len": 64, "quantize": "nf4", "stream": {"chunk_size": 16}})
+    lm = top.base_model.model
+    assert leanbp.is_streamed(lm)
+    linears = [m for m in lm.model.layers.modules() if isinstance(m, bitsandbytes.nn.Linear4bit)]
+    assert len(linears) == 4 * 7 and all(m.weight.quant_state.nested for m in linears)  # double quantization
+    assert {n.split(".")[-2] for n, p in top.named_parameters() if p.requires_grad} == {"default"}  # lora_A/B
 
 
 @pytest.mark.parametrize("objective", ["lm", "sft", "dpo", "grpo"])
@@ -243,6 +270,9 @@ def test_train_rejects_unusable_inputs(tmp_path, capsys):
     (["--chunk-size", "0"], "chunk_size must be a positive integer"),
     (["--suite", "approx", "--batch", "0"], "batch must be a positive integer"),
     (["--suite", "trl", "--seq-lens", "ppo=128"], "looks like sft="),
+    (["--suite", "approx", "--quantize", "nf4"], "--quantize is measured by the stream suite"),
+    (["--suite", "peers", "--quantize", "nf4"], "--quantize is measured by the stream suite"),
+    (["--quantize", "nf4", "--methods", "alst"], "not the peers"),
 ])
 def test_bench_rejects_bad_settings_before_running(tmp_path, capsys, args, message):
     assert main(["bench", *args, "--out", str(tmp_path)]) == 2

@@ -74,7 +74,7 @@ def _train(args) -> int:
 
 
 def _add_bench(sub):
-    from .bench import BENCH_DTYPES, BENCH_MODELS, PEERS, PEERS_SUITE, ApproxBenchCase, BenchCase, TrlBenchCase
+    from .bench import BENCH_DTYPES, BENCH_MODELS, BENCH_QUANTIZE, PEERS, PEERS_SUITE, ApproxBenchCase, BenchCase, TrlBenchCase
     from .streaming import METHODS
 
     trl_lengths = ",".join(f"{k}={':'.join(map(str, v))}" for k, v in _default(TrlBenchCase, "seq_lens").items())
@@ -116,6 +116,9 @@ def _add_bench(sub):
     p.add_argument("--dtype", choices=BENCH_DTYPES,
                    help=f"stream suite: {_default(BenchCase, 'dtype')} (default) or bf16; approx suite: "
                         f"{_default(ApproxBenchCase, 'dtype')} (default: fp32 parameters, bf16 compute) or fp32")
+    p.add_argument("--quantize", choices=BENCH_QUANTIZE, default="none",
+                   help="stream suite: nf4 measures QLoRA (the model loaded in bitsandbytes' 4-bit NormalFloat with "
+                        "double quantization, LoRA r=8 on every linear layer but the head; needs bitsandbytes)")
     p.add_argument("--device", default="cpu", help="every suite: cpu (default) or cuda")
     add_options(p, StreamConfig, _STREAM_OPTIONS["bench"])
     p.add_argument("--out", default="bench_out",
@@ -128,6 +131,8 @@ def _bench(args) -> int:
 
     print(f"machine: {describe_machine(machine())}")
     stream = _stream_config(args, "bench")
+    if args.quantize != "none" and args.suite != "stream":
+        raise ValueError(f"--quantize is measured by the stream suite, not the {args.suite} suite")
     if args.suite == "trl":
         lengths = {"seq_lens": _per_objective(args.seq_lens)} if args.seq_lens is not None else {}
         steps = {"timed_steps": args.timed_steps} if args.timed_steps is not None else {}
@@ -148,7 +153,7 @@ def _bench(args) -> int:
     defaults = PEERS_SUITE if args.suite == "peers" else {}
     case = BenchCase(**{**defaults, **{k: v for k, v in given.items() if v is not None}}, model=args.model,
                      batch=args.batch if args.batch is not None else 1, dtype=args.dtype or "fp32",
-                     device=args.device, stream=stream)
+                     device=args.device, stream=stream, quantize=args.quantize)
     name, baseline = ("bench_peers", "alst") if args.suite == "peers" else ("bench", "ckpt")
     print(format_table(run_bench(case, args.out, name=name, baseline=baseline), baseline))
     print(f"\nwrote {args.out}/{name}.csv, {name}.json, {name}.png")

@@ -18,7 +18,7 @@ from ..approx import approx, variant_settings
 from ..memory import track
 from ..streaming import StreamConfig, apply_method, chunk_size_used, is_streamed
 from ..train import build_model
-from ._models import bench_config
+from ._models import bench_config, nf4_reloaded
 from ._peers import PEERS, peer_loss, prepare_peer
 from ._timing import synchronize
 
@@ -26,16 +26,18 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def build_case_model(spec: dict):
-    """The model of a case: bench shape, dtype, optional LoRA, optional approximation, then the
-    method (``leanbp.streaming.METHODS`` with the case's ``StreamConfig``, or a peer of ``PEERS``)."""
+    """The model of a case: bench shape, dtype, optional 4-bit base weights (``quantize``: with LoRA,
+    QLoRA), optional LoRA, optional approximation, then the method (``leanbp.streaming.METHODS`` with the case's ``StreamConfig``, or a peer of ``PEERS``)."""
     dtype_name = spec.get("dtype", "fp32")
     # "autocast": fp32 weights, bf16 compute (run_case enters autocast)
     dtype = dtype_named("fp32" if dtype_name == "autocast" else dtype_name)
     T = spec["seq_len"]
     config = bench_config(spec.get("model", "qwen3"), max_positions=max(T, 2048))
-    model = build_model(config, dtype=dtype).to(spec.get("device", "cpu")).train()
+    model = build_model(config, dtype=dtype)
+    quantized = spec.get("quantize", "none") != "none"
+    model = (nf4_reloaded(model, spec.get("device", "cpu")) if quantized else model.to(spec.get("device", "cpu"))).train()
     top = model
-    if spec.get("lora"):
+    if spec.get("lora") or quantized:
         import peft
 
         top = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS))

@@ -32,6 +32,8 @@ BENCH_LLAMA = dict(
 )
 
 BENCH_MODELS = ("qwen3", "gemma3", "qwen3_moe")
+# the base weights' storage: as built, or bitsandbytes' 4-bit NormalFloat (QLoRA: LoRA trains on top)
+BENCH_QUANTIZE = ("none", "nf4")
 
 
 def bench_config(family: str, max_positions: int):
@@ -55,3 +57,24 @@ def bench_config(family: str, max_positions: int):
                                            moe_intermediate_size=common["intermediate_size"] // 3,
                                            output_router_logits=True, rope_theta=1_000_000.0)
     raise ValueError(f"unknown bench model {family!r}; choose from {BENCH_MODELS}")
+
+
+def nf4_reloaded(model, device: str):
+    """``model`` saved and loaded again as a QLoRA user loads it: ``from_pretrained`` with
+    bitsandbytes' nf4 and double quantization (every linear layer but the head; compute in the
+    model's dtype), then PEFT's ``prepare_model_for_kbit_training`` without its checkpointing (each
+    method sets its own)."""
+    import tempfile
+
+    import peft
+    import torch
+
+    dtype = next(model.parameters()).dtype
+    quantization = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                   bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        del model
+        quantized = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, quantization_config=quantization, dtype=dtype, device_map=torch.device(device).type)
+    return peft.prepare_model_for_kbit_training(quantized, use_gradient_checkpointing=False)

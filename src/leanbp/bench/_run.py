@@ -16,7 +16,7 @@ from ..approx import VARIANTS
 from ..memory import MiB
 from ..streaming import METHODS, StreamConfig, old_chunk_sizes
 from ._machine import machine
-from ._models import BENCH_MODELS
+from ._models import BENCH_MODELS, BENCH_QUANTIZE
 from ._peers import PEERS
 from ._trl_case import TRL_METHODS, TRL_OBJECTIVES
 
@@ -59,6 +59,7 @@ class BenchCase:
     dtype: str = "fp32"
     device: str = "cpu"
     stream: StreamConfig = field(default_factory=StreamConfig)  # the streamed methods' settings
+    quantize: str = "none"  # "nf4": QLoRA (the base in bitsandbytes' 4 bits, LoRA r=8 on every linear)
     timed_steps: int = 3  # step time: the median of this many steps after the measured one
     # every case this many times, each round in the other order; a case's time is its rounds' median
     rounds: int = 1
@@ -73,6 +74,10 @@ class BenchCase:
         _check_list("methods", self.methods, (*METHODS, *PEERS))
         _check_list("model", [self.model], BENCH_MODELS)
         _check_list("dtype", [self.dtype], BENCH_DTYPES)
+        _check_list("quantize", [self.quantize], BENCH_QUANTIZE)
+        if self.quantize != "none" and set(self.methods) & set(PEERS):
+            raise ValueError(f"quantize={self.quantize!r} is measured for leanbp's methods, not the peers "
+                             f"{sorted(set(self.methods) & set(PEERS))}")
         _check_positive(self, "batch", "timed_steps", "rounds")
 
 
@@ -103,7 +108,7 @@ def run_bench(case: BenchCase, out_dir: str | Path, progress: bool = True, name:
     # shared machine
     specs = [
         {"method": m, "seq_len": T, "model": case.model, "batch": case.batch, "dtype": case.dtype, "device": case.device,
-         "stream": asdict(case.stream), "timed_steps": case.timed_steps}
+         "stream": asdict(case.stream), "timed_steps": case.timed_steps, "quantize": case.quantize}
         for r in range(case.rounds) for i, T in enumerate(case.seq_lens)
         for m in (case.methods if (i + r) % 2 == 0 else case.methods[::-1])
     ]
@@ -297,6 +302,10 @@ def plot_trl(rows: list[dict], path: Path) -> None:
             ax.grid(True, which="both", alpha=0.3)
             if ax.get_legend_handles_labels()[0]:  # (none where every case failed: the rows say why)
                 ax.legend(fontsize=8)
+    quantized = {r.get("quantize", "none") for r in rows} - {"none"}
+    if quantized:
+        fig.suptitle(f"QLoRA: {', '.join(sorted(quantized))} base weights, LoRA r=8 on every linear layer",
+                     fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
