@@ -162,7 +162,8 @@ def _bench(args) -> int:
 
 def _add_plan(sub):
     from .memory import GiB
-    from .plan import ALLOCATORS, DEFAULT_SEQ_LENS, GPUS, PLAN_DTYPES, PRESETS, CudaReserve, PlanRequest, Setup
+    from .plan import (ALLOCATORS, DEFAULT_SEQ_LENS, GPUS, PLAN_DTYPES, PRESETS, QUANTIZE, CudaReserve, PlanRequest,
+                       Setup)
     from .streaming import PLANNED
 
     reserve = CudaReserve()
@@ -213,6 +214,9 @@ def _add_plan(sub):
     p.add_argument("--lora", type=int, metavar="R",
                    help="train LoRA adapters of rank R on every linear layer but the head, the base frozen "
                         "(default: full fine-tuning)")
+    p.add_argument("--quantize", choices=QUANTIZE, default="none",
+                   help="nf4: the frozen base in bitsandbytes' 4-bit NormalFloat with double quantization, "
+                        "computing in --dtype (QLoRA; needs --lora; one GPU or ddp)")
     p.add_argument("--workers", type=int, metavar="N",
                    help="processes that plan the methods side by side (default: one per CPU)")
     p.add_argument("--out", default="plan_out", help="folder for plan.md / plan.csv / plan.json / plan.png")
@@ -234,7 +238,8 @@ def _plan(args) -> int:
                           methods=[m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None,
                           modes=["backprop", "step"] if args.mode == "both" else [args.mode],
                           stream=_stream_config(args, "plan"), hold_outputs=not args.free_outputs,
-                          free_grads=args.free_grads, lora_rank=args.lora, setup=setup, allocator=args.allocator)
+                          free_grads=args.free_grads, lora_rank=args.lora, quantize=args.quantize, setup=setup,
+                          allocator=args.allocator)
     result = run_plan(request, load_config(args.model), workers=args.workers)
     print(format_plan(result))
     print(f"\nwritten to {write_plan(result, args.out)}/ (plan.md, plan.csv, plan.json, plan.png)")

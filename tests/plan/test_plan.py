@@ -3,6 +3,7 @@ longest T fits and the next does not, presets are the published shapes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -21,11 +22,41 @@ METHODS = ("plain", "ckpt", "leanbp", "leanbp_offload")
 
 
 
-def _measured(config, method, T, hold_outputs, lora_rank=None, free_grads=False):
+def _nf4_model(config):
+    """``config``'s model loaded in bitsandbytes' nf4 (double quantization, fp32 compute), as QLoRA
+    loads it."""
+    import tempfile
+
+    import peft
+
+    with tempfile.TemporaryDirectory() as folder:
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        quantization = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                       bnb_4bit_use_double_quant=True,
+                                                       bnb_4bit_compute_dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization,
+                                                                  dtype=torch.float32, device_map="cpu")
+    return peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def _quantization_statistics(model) -> int:
+    """Bytes of bitsandbytes' absmax codes and their nested absmax: resident beside the packed
+    weights, but in each weight's quant_state, not a parameter (the planner's stand-in holds them
+    as frozen parameters)."""
+    import bitsandbytes
+
+    states = [m.weight.quant_state for m in model.modules() if isinstance(m, bitsandbytes.nn.Linear4bit)]
+    return sum(s.absmax.nbytes + s.state2.absmax.nbytes for s in states)
+
+
+def _measured(config, method, T, hold_outputs, lora_rank=None, free_grads=False, quantize="none"):
     """The step on real tensors, measured by leanbp.memory.track (gradients resident, zeroed, or
-    none: ``free_grads``)."""
+    none: ``free_grads``); ``quantize="nf4"``: the model in 4 bits (QLoRA)."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    if quantize == "nf4":
+        model = _nf4_model(config).train()
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config).train()
     if lora_rank:
         import peft
 
@@ -41,22 +72,30 @@ def _measured(config, method, T, hold_outputs, lora_rank=None, free_grads=False)
     ids = torch.randint(0, config.vocab_size, (2, T))
     with leanbp.memory.track(model) as mem:
         training_step(model, ids, hold_outputs)
+    if quantize == "nf4":  # (resident, beside the parameters: see _quantization_statistics)
+        statistics = _quantization_statistics(model)
+        mem.report = dataclasses.replace(mem.report, params=mem.report.params + statistics,
+                                         peak=mem.report.peak + statistics,
+                                         phase_peaks={k: v + statistics for k, v in mem.report.phase_peaks.items()})
     return mem.report
 
 
-@pytest.mark.parametrize("method, hold_outputs, lora_rank, free_grads", [
-    ("plain", True, None, False), ("plain", False, None, False), ("ckpt", True, None, False),
-    ("ckpt", False, None, False), ("leanbp", True, None, False), ("leanbp_offload", True, None, False),
-    ("ckpt", True, 4, False), ("leanbp", True, 4, False),
-    ("plain", True, None, True), ("ckpt", False, None, True), ("leanbp", True, None, True),
-    ("leanbp_offload", True, None, True), ("ckpt", False, 4, True)])
-def test_fake_step_predicts_the_measured_bytes_exactly(method, hold_outputs, lora_rank, free_grads):
+@pytest.mark.parametrize("method, hold_outputs, lora_rank, free_grads, quantize", [
+    ("plain", True, None, False, "none"), ("plain", False, None, False, "none"), ("ckpt", True, None, False, "none"),
+    ("ckpt", False, None, False, "none"), ("leanbp", True, None, False, "none"),
+    ("leanbp_offload", True, None, False, "none"), ("ckpt", True, 4, False, "none"), ("leanbp", True, 4, False, "none"),
+    ("plain", True, None, True, "none"), ("ckpt", False, None, True, "none"), ("leanbp", True, None, True, "none"),
+    ("leanbp_offload", True, None, True, "none"), ("ckpt", False, 4, True, "none"),
+    ("plain", True, 4, False, "nf4"), ("ckpt", True, 4, False, "nf4"), ("leanbp", True, 4, False, "nf4")])
+def test_fake_step_predicts_the_measured_bytes_exactly(method, hold_outputs, lora_rank, free_grads, quantize):
+    if quantize != "none":
+        pytest.importorskip("bitsandbytes")
     config = _config()
     planner = Planner(config, dtype="fp32", batch=2, stream=StreamConfig(chunk_size=64, head_chunk_size=32),
-                      hold_outputs=hold_outputs, lora_rank=lora_rank, free_grads=free_grads)
+                      hold_outputs=hold_outputs, lora_rank=lora_rank, free_grads=free_grads, quantize=quantize)
     assert planner.depths == (2, 3)  # so the 4-layer numbers come from the depth line
     predicted = planner.step(method, 320)
-    measured = _measured(config, method, 320, hold_outputs, lora_rank, free_grads)
+    measured = _measured(config, method, 320, hold_outputs, lora_rank, free_grads, quantize)
     assert (predicted.peak, predicted.params, predicted.grads, predicted.host) == \
         (measured.peak, measured.params, measured.grads, measured.host)
     top = max(measured.phase_peaks, key=measured.phase_peaks.get)  # (the phase that holds the peak)
@@ -296,3 +335,33 @@ def test_a_plan_needs_a_fixed_chunk_size():
     with pytest.raises(ValueError, match="fixed chunk size"):
         Planner(_config(), stream=StreamConfig(chunk_size="auto"))
     assert main(["plan", "--model", "qwen3-0.6b", "--chunk-size", "auto"]) == 2
+
+
+def test_a_4bit_plan_needs_lora_and_one_gpu_or_ddp(capsys):
+    """nf4 base weights are frozen (LoRA trains on them) and kept whole on each GPU: a plan without
+    LoRA, or one that shards them, is refused with what to change, also on the command line."""
+    from leanbp.plan import Setup
+
+    with pytest.raises(ValueError, match="plan them under LoRA"):
+        Planner(_config(), quantize="nf4")
+    with pytest.raises(ValueError, match="not fsdp2"):
+        Planner(_config(), quantize="nf4", lora_rank=8, setup=Setup(gpus=2, engine="fsdp2"))
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        Planner(_config(), quantize="int3", lora_rank=8)
+    ddp = Planner(_config(), quantize="nf4", lora_rank=8, setup=Setup(gpus=2, engine="ddp"))
+    with pytest.raises(ValueError, match="not zero3"):
+        ddp.with_setup(Setup(gpus=2, engine="zero3"))
+    assert main(["plan", "--model", "qwen3-0.6b", "--quantize", "nf4"]) == 2
+    assert "--lora R" in capsys.readouterr().err
+
+
+def test_4bit_weights_are_a_quarter_of_bf16_with_their_statistics():
+    """The planned nf4 layers: half a byte per weight, a uint8 absmax code per 64 and an fp32 absmax
+    per 256 codes; the head and the embeddings stay bf16."""
+    config = _config()
+    bf16, nf4 = (Planner(config, dtype="bf16", lora_rank=4, quantize=q).rank().weights for q in ("none", "nf4"))
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    linears = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    n = [m.weight.numel() for m in linears]
+    packed = sum(k // 2 + k // 64 + 4 * -(-k // (64 * 256)) for k in n)
+    assert bf16 - nf4 == 2 * sum(n) - packed

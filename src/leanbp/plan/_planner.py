@@ -53,6 +53,7 @@ from ..memory import MemoryReport, track
 from ..streaming import PLANNED, StreamConfig, apply_method, old_chunk_sizes
 from ..streaming import method as method_named
 from ._allocator import needed_capacity, replay
+from ._nf4 import planned_nf4
 from ._presets import PRESETS, load_config  # noqa: F401  (re-exported: leanbp.plan.PRESETS)
 from ._setup import RankBytes, Setup, parameter_tensors, rank_bytes
 from ._time import StepTime, step_time
@@ -219,7 +220,8 @@ class Planner:
     starts without them and its backward makes them; else they stay resident through the step, as
     in the micro-steps of gradient accumulation after the first (one engine, or DDP: the sharded
     engines keep their gradient shares through the step); lora_rank: train LoRA adapters of this rank on every linear layer but the
-    head (PEFT's "all-linear"), the base frozen; setup: the GPUs, engine, optimizer and host memory
+    head (PEFT's "all-linear"), the base frozen; quantize: "nf4" keeps that base in bitsandbytes' 4-bit
+    NormalFloat with double quantization, computing in ``dtype`` (QLoRA; needs lora_rank); setup: the GPUs, engine, optimizer and host memory
     (``Setup``; default one GPU, AdamW); replay_steps: steps of a run the caching allocator's model
     plays (``allocator``); verify_limit: a fake step to check the longest T is run when
     it has at most this many layer chunks."""
@@ -231,6 +233,7 @@ class Planner:
     hold_outputs: bool = True
     free_grads: bool = False
     lora_rank: int | None = None
+    quantize: str = "none"  # QUANTIZE
     verify_limit: int = 64
     setup: Setup = field(default_factory=Setup)
     replay_steps: int = REPLAY_STEPS  # steps the allocator's model plays (``allocator``)
@@ -263,6 +266,7 @@ class Planner:
         if not isinstance(self.setup, Setup):
             raise ValueError(f"setup must be a leanbp.plan.Setup, got {type(self.setup).__name__}")
         _check_free_grads(self.free_grads, self.setup)
+        _check_quantize(self.quantize, self.lora_rank, self.setup)
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         self._mode = FakeTensorMode()
@@ -290,6 +294,8 @@ class Planner:
             config.use_cache = False
             with self._mode, torch.device("cpu"):
                 model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype_named(self.dtype)).train()
+                if self.quantize == "nf4":
+                    model = planned_nf4(model, dtype_named(self.dtype))
                 if self.lora_rank:
                     model = _fake_lora(model, self.lora_rank)
             self._models[depth] = model
@@ -372,6 +378,7 @@ class Planner:
         if not isinstance(setup, Setup):
             raise ValueError(f"setup must be a leanbp.plan.Setup, got {type(setup).__name__}")
         _check_free_grads(self.free_grads, setup)
+        _check_quantize(self.quantize, self.lora_rank, setup)
         other = copy.copy(self)  # (the caches are the same dicts: what either planner runs, both know)
         other.setup, other._rank, other._fits, other._traces = setup, None, {}, {}  # (replays hold the rank's bytes)
         if setup.sp != self.setup.sp:  # (another step: its own fake steps, the fake models shared)
@@ -635,6 +642,22 @@ def training_step(model, input_ids: torch.Tensor, hold_outputs: bool = True) -> 
     if not hold_outputs:
         del outputs
     loss.backward()
+
+
+# the base weights' storage a plan knows: as the dtype says, or bitsandbytes' nf4 (``_nf4``)
+QUANTIZE = ("none", "nf4")
+
+
+def _check_quantize(quantize: str, lora_rank: int | None, setup: Setup) -> None:
+    if quantize not in QUANTIZE:
+        raise ValueError(f"quantize must be one of {QUANTIZE}, got {quantize!r}")
+    if quantize == "none":
+        return
+    if not lora_rank:
+        raise ValueError(f"{quantize} base weights are frozen: plan them under LoRA (lora_rank, --lora R)")
+    if setup.engine not in ("single", "ddp"):
+        raise ValueError(f"4-bit base weights are planned on one GPU or under DDP, not {setup.engine}: sharding "
+                         "bitsandbytes' packed weights is not modelled")
 
 
 def _fake_lora(model, rank: int):

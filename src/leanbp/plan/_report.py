@@ -79,6 +79,7 @@ class PlanRequest:
     hold_outputs: bool = True
     free_grads: bool = False  # the loop frees the gradients between steps (``Planner.free_grads``)
     lora_rank: int | None = None
+    quantize: str = "none"  # "nf4": the frozen base in bitsandbytes' 4 bits (QLoRA; ``Planner.quantize``)
     setup: Setup = field(default_factory=Setup)  # GPUs, engine, optimizer, host memory, GPU model, efficiency
     # "share": the reserve holds back a share of the memory for the caching allocator's fragmentation;
     # "replay": plain autograd's and checkpointing's steps are played through the allocator's model
@@ -201,7 +202,7 @@ def _cpus() -> int:
 def _planner(request: PlanRequest, config) -> Planner:
     return Planner(config, dtype=request.dtype, batch=request.batch, stream=request.stream,
                    hold_outputs=request.hold_outputs, free_grads=request.free_grads, lora_rank=request.lora_rank,
-                   setup=request.setup)
+                   quantize=request.quantize, setup=request.setup)
 
 
 def _end_with(pid: int) -> None:
@@ -285,7 +286,8 @@ def format_plan(result: dict) -> str:
     lines = [
         f"leanbp plan: {req['model']}, "
         + (f"LoRA r={req['lora_rank']} on every linear layer ({result['parameters'] / 1e6:.1f} M trainable "
-           "parameters)" if req["lora_rank"] else f"full fine-tuning ({result['parameters'] / 1e9:.2f} B parameters)")
+           "parameters)" + (f" over {req['quantize']} base weights (QLoRA)" if req.get("quantize", "none") != "none"
+                            else "") if req["lora_rank"] else f"full fine-tuning ({result['parameters'] / 1e9:.2f} B parameters)")
         + f", {req['dtype']}, batch {req['batch']}{' per rank' if gpus > 1 else ''}; {result['setup']}; device memory "
         f"{_gib(req['memory'])} GiB - reserve {_gib(req['reserve'])} GiB ({req['reserve_note']}); leanbp chunk "
         f"{req['stream']['chunk_size']} rows; outputs "
@@ -391,7 +393,8 @@ def _plot(result: dict, path: Path) -> None:
                               label=f"budget {value / GiB:.1f} GiB" + (f" (replayed: {', '.join(replayed)})"
                                                                        if replayed else ""))
         memory_ax.set_ylabel("peak device memory per rank (GiB)")
-        memory_ax.set_title(f"{req['model']}{', LoRA' if req['lora_rank'] else ''}, {req['dtype']}, batch "
+        tuning = ("" if not req["lora_rank"] else ", QLoRA" if req.get("quantize", "none") != "none" else ", LoRA")
+        memory_ax.set_title(f"{req['model']}{tuning}, {req['dtype']}, batch "
                             f"{req['batch']}: {'backprop only' if mode == 'backprop' else 'full step'}\n{where}",
                             fontsize=9)
         time_ax.set_ylabel(f"step time (s), efficiency {setup['efficiency']:g}")
