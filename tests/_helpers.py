@@ -12,6 +12,9 @@ from leanbp.testing import relative_errors, streamed_vs_plain
 
 
 REPO = Path(__file__).resolve().parents[1]  # the checkout: README, docs/, benchmarks/
+# the bench models at a tiny size (the ``small_cases`` fixture of tests/conftest.py)
+TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=192, vocab_size=512)  # (MoE experts: 192 // 3, rows of 16-byte multiples)
 
 
 def make_batch(B=3, T=45, vocab=101, padding="left", prompt=13, seed=1):

@@ -117,3 +117,21 @@ def bf16_planner():
     from leanbp.plan import Planner
 
     return Planner(plan_config(), dtype="bf16", stream=StreamConfig(chunk_size=512, head_chunk_size=1024))
+
+
+@pytest.fixture
+def small_cases(monkeypatch):
+    """The bench's cases in this process, on the bench models at a tiny shape; plan presets with 2
+    layers."""
+    from _helpers import TINY_SHAPE
+    from leanbp.bench import _models, _run
+    from leanbp.bench._case import run_any_case
+    from leanbp.plan import PRESETS
+
+    for shape in (_models.BENCH_QWEN3, _models.BENCH_LLAMA):
+        for key, value in TINY_SHAPE.items():
+            if key in shape:
+                monkeypatch.setitem(shape, key, value)
+    monkeypatch.setattr(_run, "_run_one", lambda spec, timeout_s: run_any_case(spec))
+    for name, preset in list(PRESETS.items()):
+        monkeypatch.setitem(PRESETS, name, {**preset, "num_hidden_layers": 2})

@@ -94,16 +94,21 @@ def test_bench_runs_the_other_family_shapes(tmp_path, capsys, model):
     assert [(r["model"], r["method"]) for r in rows] == [(model, "leanbp")] and rows[0]["activations"] > 0
 
 
-def test_bench_measures_qlora(tmp_path, capsys):
-    """``--quantize nf4``: each method on the bench model loaded in 4 bits with LoRA on top."""
+def test_bench_measures_qlora(tmp_path, capsys, small_cases):
+    """``--quantize nf4``: each method on the bench model loaded in 4 bits with LoRA on top (the
+    cases in this process, the model at a tiny size: ``small_cases``)."""
     pytest.importorskip("bitsandbytes")
     assert main(["bench", "--quantize", "nf4", "--seq-lens", "48", "--methods", "ckpt,leanbp", "--timed-steps", "1",
                  "--out", str(tmp_path), "--chunk-size", "16"]) == 0
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert [(r["quantize"], r["method"]) for r in rows] == [("nf4", "ckpt"), ("nf4", "leanbp")]
     assert all("error" not in r and r["activations"] > 0 for r in rows)
-    # the frozen 4-bit base gets no gradient: only the adapters' (r=8 on 7 linears of 4 layers)
-    assert rows[0]["grads"] == rows[1]["grads"] < rows[0]["params"] / 10
+    # the frozen 4-bit base gets no gradient: only the fp32 adapters' (r=8 on the 7 linears of each layer)
+    from _helpers import TINY_SHAPE as s
+
+    width, kv, ffn = s["hidden_size"], s["num_key_value_heads"] * s["head_dim"], s["intermediate_size"]
+    adapters = 8 * (2 * (width + width) + 2 * (width + kv) + 3 * (width + ffn)) * s["num_hidden_layers"]
+    assert rows[0]["grads"] == rows[1]["grads"] == 4 * adapters
 
 
 def test_bench_quantize_builds_the_qlora_model():

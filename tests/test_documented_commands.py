@@ -26,12 +26,10 @@ import shlex
 import pytest
 import transformers
 
-from _helpers import REPO, forced_probes
+from _helpers import REPO, TINY_SHAPE, forced_probes
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 NEEDS = re.compile(r"#\s*needs (a GPU|[\w -]+)$")
-TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  intermediate_size=192, vocab_size=512)  # (MoE experts: 192 // 3, rows of 16-byte multiples)
 
 
 def documented_commands() -> list[tuple[str, str, str | None]]:
@@ -94,23 +92,6 @@ def _sized(words: list[str], tmp_path, name: str) -> tuple[list[str], str]:
         if suite != "approx":
             words = _set(words, "--timed-steps", "1")
     return words, out
-
-
-@pytest.fixture
-def small_cases(monkeypatch):
-    """The bench's cases in this process, on the bench models at a tiny shape; plan presets with 2
-    layers."""
-    from leanbp.bench import _models, _run
-    from leanbp.bench._case import run_any_case
-    from leanbp.plan import PRESETS
-
-    for shape in (_models.BENCH_QWEN3, _models.BENCH_LLAMA):
-        for key, value in TINY_SHAPE.items():
-            if key in shape:
-                monkeypatch.setitem(shape, key, value)
-    monkeypatch.setattr(_run, "_run_one", lambda spec, timeout_s: run_any_case(spec))
-    for name, preset in list(PRESETS.items()):
-        monkeypatch.setitem(PRESETS, name, {**preset, "num_hidden_layers": 2})
 
 
 @pytest.mark.parametrize("page, line, needs", COMMANDS, ids=[f"{p}:{' '.join(l.split()[1:3])}-{i}"

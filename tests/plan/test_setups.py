@@ -303,12 +303,11 @@ def test_cli_plans_sequence_parallelism_for_leanbp(tmp_path, capsys):
 
 
 # -- host memory ------------------------------------------------------------------------------
-def test_the_host_budget_stops_offload_where_the_host_is_full():
-    cfg = _config()
+def test_the_host_budget_stops_offload_where_the_host_is_full(bf16_planner):
     BUDGET = 2**26  # (a small device: the searches stay short)
-    stream = StreamConfig(chunk_size=512, head_chunk_size=1024)
     host = 2 * 2**20
-    planner = Planner(cfg, stream=stream, setup=Setup(host_memory=host))
+    # (the shared planner's fake steps: the host's size changes no step, only what fits)
+    planner = bf16_planner.with_setup(Setup(host_memory=host))
     found = planner.longest("leanbp_offload", BUDGET)
     # (the device alone would take far more: the host stops it first)
     assert found.bound == "host" and 0 < found.seq_len == found.host_seq_len < found.device_seq_len
