@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# how frozen base weights may be stored: in their dtype, or in bitsandbytes' 4-bit NormalFloat with
+# double quantization (QLoRA: LoRA trains on top); ``leanbp bench`` and ``leanbp plan --quantize``
+QUANTIZE = ("none", "nf4")
 
 
 def dtype_named(name: str, allowed=tuple(DTYPES)) -> torch.dtype:

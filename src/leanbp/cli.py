@@ -74,7 +74,8 @@ def _train(args) -> int:
 
 
 def _add_bench(sub):
-    from .bench import BENCH_DTYPES, BENCH_MODELS, BENCH_QUANTIZE, PEERS, PEERS_SUITE, ApproxBenchCase, BenchCase, TrlBenchCase
+    from ._dtypes import QUANTIZE
+    from .bench import BENCH_DTYPES, BENCH_MODELS, PEERS, PEERS_SUITE, ApproxBenchCase, BenchCase, TrlBenchCase
     from .streaming import METHODS
 
     trl_lengths = ",".join(f"{k}={':'.join(map(str, v))}" for k, v in _default(TrlBenchCase, "seq_lens").items())
@@ -116,7 +117,7 @@ def _add_bench(sub):
     p.add_argument("--dtype", choices=BENCH_DTYPES,
                    help=f"stream suite: {_default(BenchCase, 'dtype')} (default) or bf16; approx suite: "
                         f"{_default(ApproxBenchCase, 'dtype')} (default: fp32 parameters, bf16 compute) or fp32")
-    p.add_argument("--quantize", choices=BENCH_QUANTIZE, default="none",
+    p.add_argument("--quantize", choices=QUANTIZE, default="none",
                    help="stream suite: nf4 measures QLoRA (the model loaded in bitsandbytes' 4-bit NormalFloat with "
                         "double quantization, LoRA r=8 on every linear layer but the head; needs bitsandbytes)")
     p.add_argument("--device", default="cpu", help="every suite: cpu (default) or cuda")
@@ -162,8 +163,8 @@ def _bench(args) -> int:
 
 def _add_plan(sub):
     from .memory import GiB
-    from .plan import (ALLOCATORS, DEFAULT_SEQ_LENS, GPUS, PLAN_DTYPES, PRESETS, QUANTIZE, CudaReserve, PlanRequest,
-                       Setup)
+    from ._dtypes import QUANTIZE
+    from .plan import ALLOCATORS, DEFAULT_SEQ_LENS, GPUS, PLAN_DTYPES, PRESETS, CudaReserve, PlanRequest, Setup
     from .streaming import PLANNED
 
     reserve = CudaReserve()

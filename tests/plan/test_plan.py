@@ -22,23 +22,6 @@ METHODS = ("plain", "ckpt", "leanbp", "leanbp_offload")
 
 
 
-def _nf4_model(config):
-    """``config``'s model loaded in bitsandbytes' nf4 (double quantization, fp32 compute), as QLoRA
-    loads it."""
-    import tempfile
-
-    import peft
-
-    with tempfile.TemporaryDirectory() as folder:
-        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-        quantization = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                       bnb_4bit_use_double_quant=True,
-                                                       bnb_4bit_compute_dtype=torch.float32)
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization,
-                                                                  dtype=torch.float32, device_map="cpu")
-    return peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-
-
 def _quantization_statistics(model) -> int:
     """Bytes of bitsandbytes' absmax codes and their nested absmax: resident beside the packed
     weights, but in each weight's quant_state, not a parameter (the planner's stand-in holds them
@@ -53,10 +36,11 @@ def _measured(config, method, T, hold_outputs, lora_rank=None, free_grads=False,
     """The step on real tensors, measured by leanbp.memory.track (gradients resident, zeroed, or
     none: ``free_grads``); ``quantize="nf4"``: the model in 4 bits (QLoRA)."""
     torch.manual_seed(0)
-    if quantize == "nf4":
-        model = _nf4_model(config).train()
-    else:
-        model = transformers.AutoModelForCausalLM.from_config(config).train()
+    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    if quantize == "nf4":  # (saved and loaded again in 4 bits, as ``leanbp bench --quantize nf4`` does)
+        from leanbp.bench._models import nf4_reloaded
+
+        model = nf4_reloaded(model, "cpu").train()
     if lora_rank:
         import peft
 

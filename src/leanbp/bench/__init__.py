@@ -12,14 +12,14 @@ Approx-BP rows, and TRL's trainers) side by side, each case in its own process.
 
 from ._case import build_case_model
 from ._machine import describe_machine, machine
-from ._models import BENCH_LLAMA, BENCH_MODELS, BENCH_QUANTIZE, BENCH_QWEN3, bench_config
+from ._models import BENCH_LLAMA, BENCH_MODELS, BENCH_QWEN3, bench_config
 from ._peers import PEERS, peer_loss, prepare_peer
 from ._run import (BENCH_DTYPES, PEERS_SUITE, ApproxBenchCase, BenchCase, TrlBenchCase, format_approx_table,
                    format_table, format_trl_table, run_approx_bench, run_bench, run_trl_bench)
 from ._timing import synchronize
 from ._trl_case import TRL_METHODS, TRL_OBJECTIVES
 
-__all__ = ["ApproxBenchCase", "BENCH_DTYPES", "BENCH_LLAMA", "BENCH_MODELS", "BENCH_QUANTIZE", "BENCH_QWEN3", "BenchCase", "PEERS",
+__all__ = ["ApproxBenchCase", "BENCH_DTYPES", "BENCH_LLAMA", "BENCH_MODELS", "BENCH_QWEN3", "BenchCase", "PEERS",
            "PEERS_SUITE", "peer_loss", "prepare_peer",
            "TRL_METHODS", "TRL_OBJECTIVES", "TrlBenchCase", "bench_config", "build_case_model", "describe_machine",
            "format_approx_table", "format_table", "format_trl_table", "machine", "run_approx_bench", "run_bench",

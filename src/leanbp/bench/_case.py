@@ -27,15 +27,16 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 def build_case_model(spec: dict):
     """The model of a case: bench shape, dtype, optional 4-bit base weights (``quantize``: with LoRA,
-    QLoRA), optional LoRA, optional approximation, then the method (``leanbp.streaming.METHODS`` with the case's ``StreamConfig``, or a peer of ``PEERS``)."""
+    QLoRA), optional LoRA, optional approximation, then the method (``leanbp.streaming.METHODS`` with
+    the case's ``StreamConfig``, or a peer of ``PEERS``)."""
     dtype_name = spec.get("dtype", "fp32")
     # "autocast": fp32 weights, bf16 compute (run_case enters autocast)
     dtype = dtype_named("fp32" if dtype_name == "autocast" else dtype_name)
     T = spec["seq_len"]
     config = bench_config(spec.get("model", "qwen3"), max_positions=max(T, 2048))
     model = build_model(config, dtype=dtype)
-    quantized = spec.get("quantize", "none") != "none"
-    model = (nf4_reloaded(model, spec.get("device", "cpu")) if quantized else model.to(spec.get("device", "cpu"))).train()
+    device, quantized = spec.get("device", "cpu"), spec.get("quantize", "none") != "none"
+    model = (nf4_reloaded(model, device) if quantized else model.to(device)).train()
     top = model
     if spec.get("lora") or quantized:
         import peft

@@ -32,8 +32,6 @@ BENCH_LLAMA = dict(
 )
 
 BENCH_MODELS = ("qwen3", "gemma3", "qwen3_moe")
-# the base weights' storage: as built, or bitsandbytes' 4-bit NormalFloat (QLoRA: LoRA trains on top)
-BENCH_QUANTIZE = ("none", "nf4")
 
 
 def bench_config(family: str, max_positions: int):

@@ -12,11 +12,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from .._dtypes import QUANTIZE
 from ..approx import VARIANTS
 from ..memory import MiB
 from ..streaming import METHODS, StreamConfig, old_chunk_sizes
 from ._machine import machine
-from ._models import BENCH_MODELS, BENCH_QUANTIZE
+from ._models import BENCH_MODELS
 from ._peers import PEERS
 from ._trl_case import TRL_METHODS, TRL_OBJECTIVES
 
@@ -74,7 +75,7 @@ class BenchCase:
         _check_list("methods", self.methods, (*METHODS, *PEERS))
         _check_list("model", [self.model], BENCH_MODELS)
         _check_list("dtype", [self.dtype], BENCH_DTYPES)
-        _check_list("quantize", [self.quantize], BENCH_QUANTIZE)
+        _check_list("quantize", [self.quantize], QUANTIZE)
         if self.quantize != "none" and set(self.methods) & set(PEERS):
             raise ValueError(f"quantize={self.quantize!r} is measured for leanbp's methods, not the peers "
                              f"{sorted(set(self.methods) & set(PEERS))}")
@@ -302,10 +303,6 @@ def plot_trl(rows: list[dict], path: Path) -> None:
             ax.grid(True, which="both", alpha=0.3)
             if ax.get_legend_handles_labels()[0]:  # (none where every case failed: the rows say why)
                 ax.legend(fontsize=8)
-    quantized = {r.get("quantize", "none") for r in rows} - {"none"}
-    if quantized:
-        fig.suptitle(f"QLoRA: {', '.join(sorted(quantized))} base weights, LoRA r=8 on every linear layer",
-                     fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -415,6 +412,10 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
+    quantized = {r.get("quantize", "none") for r in rows} - {"none"}
+    if quantized:
+        fig.suptitle(f"QLoRA: {', '.join(sorted(quantized))} base weights, LoRA r=8 on every linear layer",
+                     fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -8,7 +8,7 @@ plot (``_report.py``)."""
 from ._allocator import CachingAllocator, OutOfMemory, Replay, needed_capacity, replay
 from ._devices import GPUS, Gpu, measure_cpu, time_calls
 from ._measure import RankMemory
-from ._planner import PLAN_DTYPES, QUANTIZE, REPLAY_STEPS, AllocatorFit, Lines, Longest, Peak, Planner, training_step
+from ._planner import PLAN_DTYPES, REPLAY_STEPS, AllocatorFit, Lines, Longest, Peak, Planner, training_step
 from ._presets import PRESETS, load_config
 from ._report import ALLOCATORS, DEFAULT_SEQ_LENS, CudaReserve, PlanRequest, format_plan, run_plan, write_plan
 from ._setup import ENGINES, OPTIMIZERS, RankBytes, Setup, machine_memory
@@ -16,7 +16,6 @@ from ._time import StepTime, step_time
 from ._work import Work, WorkCounter
 
 __all__ = [
-    "QUANTIZE",
     "ALLOCATORS", "AllocatorFit", "CachingAllocator", "CudaReserve", "DEFAULT_SEQ_LENS", "ENGINES", "format_plan", "Gpu",
     "GPUS", "Lines", "load_config", "Longest", "machine_memory", "measure_cpu", "needed_capacity",
     "OPTIMIZERS", "OutOfMemory", "Peak", "PLAN_DTYPES", "Planner", "PlanRequest", "PRESETS", "RankBytes",

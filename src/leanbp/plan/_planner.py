@@ -47,7 +47,7 @@ from dataclasses import InitVar, dataclass, field, replace
 
 import torch
 
-from .._dtypes import dtype_named
+from .._dtypes import QUANTIZE, dtype_named
 from ..engine import SequenceGroup, has_values
 from ..memory import MemoryReport, track
 from ..streaming import PLANNED, StreamConfig, apply_method, old_chunk_sizes
@@ -221,7 +221,8 @@ class Planner:
     in the micro-steps of gradient accumulation after the first (one engine, or DDP: the sharded
     engines keep their gradient shares through the step); lora_rank: train LoRA adapters of this rank on every linear layer but the
     head (PEFT's "all-linear"), the base frozen; quantize: "nf4" keeps that base in bitsandbytes' 4-bit
-    NormalFloat with double quantization, computing in ``dtype`` (QLoRA; needs lora_rank); setup: the GPUs, engine, optimizer and host memory
+    NormalFloat with double quantization, computing in ``dtype`` (QLoRA; needs lora_rank); setup: the
+    GPUs, engine, optimizer and host memory
     (``Setup``; default one GPU, AdamW); replay_steps: steps of a run the caching allocator's model
     plays (``allocator``); verify_limit: a fake step to check the longest T is run when
     it has at most this many layer chunks."""
@@ -233,7 +234,7 @@ class Planner:
     hold_outputs: bool = True
     free_grads: bool = False
     lora_rank: int | None = None
-    quantize: str = "none"  # QUANTIZE
+    quantize: str = "none"  # leanbp._dtypes.QUANTIZE (nf4: the stand-in layers of ``_nf4``)
     verify_limit: int = 64
     setup: Setup = field(default_factory=Setup)
     replay_steps: int = REPLAY_STEPS  # steps the allocator's model plays (``allocator``)
@@ -642,10 +643,6 @@ def training_step(model, input_ids: torch.Tensor, hold_outputs: bool = True) -> 
     if not hold_outputs:
         del outputs
     loss.backward()
-
-
-# the base weights' storage a plan knows: as the dtype says, or bitsandbytes' nf4 (``_nf4``)
-QUANTIZE = ("none", "nf4")
 
 
 def _check_quantize(quantize: str, lora_rank: int | None, setup: Setup) -> None:
