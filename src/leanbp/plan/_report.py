@@ -283,11 +283,12 @@ def format_plan(result: dict) -> str:
     req = result["request"]
     setup = req["setup"]
     gpus = setup["gpus"]
+    base = f" over {req['quantize']} base weights (QLoRA)" if req.get("quantize", "none") != "none" else ""
+    tuning = (f"LoRA r={req['lora_rank']} on every linear layer ({result['parameters'] / 1e6:.1f} M trainable "
+              f"parameters){base}" if req["lora_rank"] else f"full fine-tuning ({result['parameters'] / 1e9:.2f} B "
+              "parameters)")
     lines = [
-        f"leanbp plan: {req['model']}, "
-        + (f"LoRA r={req['lora_rank']} on every linear layer ({result['parameters'] / 1e6:.1f} M trainable "
-           "parameters)" + (f" over {req['quantize']} base weights (QLoRA)" if req.get("quantize", "none") != "none"
-                            else "") if req["lora_rank"] else f"full fine-tuning ({result['parameters'] / 1e9:.2f} B parameters)")
+        f"leanbp plan: {req['model']}, {tuning}"
         + f", {req['dtype']}, batch {req['batch']}{' per rank' if gpus > 1 else ''}; {result['setup']}; device memory "
         f"{_gib(req['memory'])} GiB - reserve {_gib(req['reserve'])} GiB ({req['reserve_note']}); leanbp chunk "
         f"{req['stream']['chunk_size']} rows; outputs "
